@@ -1,0 +1,1 @@
+"""zipage_jax: JAX + Pallas inference engine with Compressed PagedAttention."""
