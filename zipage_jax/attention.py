@@ -1,0 +1,63 @@
+"""One attention interface, several implementations: jnp reference, Mosaic GPU (Hopper), Triton (Ampere).
+
+A backend is a frozen, field-less dataclass, so it is hashable and can be a static argument of the jitted
+steps. All backends share the semantics of ``pallas_kernels.reference``.
+"""
+
+import dataclasses
+
+import jax
+
+from pallas_kernels import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend:
+    """Pure jnp: the CPU path and the oracle."""
+
+    name = "reference"
+
+    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
+        return reference.write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v)
+
+    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        return reference.paged_decode_ref(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        return reference.ragged_prefill_ref(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+
+BACKENDS = {"reference": ReferenceBackend}
+
+
+def register_backend(cls):
+    """Kernel modules register their backend class here under ``cls.name``."""
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def resolve_backend(name: str = "auto"):
+    """Pick the backend: ``auto`` → Mosaic GPU on Hopper+, Triton on older NVIDIA GPUs, reference elsewhere."""
+    if name == "auto":
+        name = default_backend_name(jax.devices()[0])
+    if name not in BACKENDS:
+        _load_kernel_backends()
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend: unknown or unavailable backend {name!r}; have {sorted(BACKENDS)}")
+    return BACKENDS[name]()
+
+
+def default_backend_name(device) -> str:
+    if device.platform != "gpu":
+        return "reference"
+    capability = getattr(device, "compute_capability", "0")
+    major = int(str(capability).split(".")[0] or 0)
+    return "mosaic" if major >= 9 else "triton"
+
+
+def _load_kernel_backends():
+    """Import kernel modules lazily: they pull in GPU-only dependencies."""
+    try:
+        import pallas_kernels.backends  # noqa: F401  (registers mosaic / triton)
+    except ImportError:
+        pass
