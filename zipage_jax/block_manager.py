@@ -1,0 +1,144 @@
+"""Host page pool: free list, reference counts and a prefix cache keyed by a hash chain over full pages.
+
+Page 0 is the null page (padding writes land there) and is never handed out. A freed page whose contents are
+hashed stays findable until it is reused (LRU order), so a later request with the same prefix still hits.
+"""
+
+import collections
+
+import numpy as np
+import xxhash
+
+NULL_PAGE = 0
+
+
+def chain_hash(parent: int, tokens) -> int:
+    """Hash of a full page given the hash of the page before it (so equal hashes mean equal prefixes)."""
+    h = xxhash.xxh3_128()
+    h.update(parent.to_bytes(16, "little"))
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_pages
+        self.page_hash: list[int | None] = [None] * num_pages
+        self.hash_to_page: dict[int, int] = {}
+        self.free_pages: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (p, None) for p in range(1, num_pages))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens served from the cache
+
+    # -- queries -----------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - 1 - self.num_free_pages
+
+    def pages_needed(self, request, num_new_tokens: int) -> int:
+        want = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, want - len(request.block_ids))
+
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # -- allocation --------------------------------------------------------------------------------------
+    def _take_free_page(self) -> int:
+        page, _ = self.free_pages.popitem(last=False)
+        old = self.page_hash[page]
+        if old is not None:  # its cached contents are about to be overwritten
+            del self.hash_to_page[old]
+            self.page_hash[page] = None
+        self.ref_count[page] = 1
+        return page
+
+    def _ref(self, page: int):
+        if self.ref_count[page] == 0:
+            del self.free_pages[page]
+        self.ref_count[page] += 1
+
+    def match_prefix(self, request) -> int:
+        """Attach cached pages for the request's leading full pages; returns the number of tokens they cover.
+
+        The page holding the last known token is never served from the cache: that token must be computed to
+        produce logits (and, with compression, the window queries).
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0
+        tokens = request.all_token_ids
+        self.prefix_queries += len(request.prompt_token_ids)
+        if not self.enable_prefix_caching:
+            return 0
+        parent, hits, hashes = 0, [], []
+        for i in range((len(tokens) - 1) // self.block_size):
+            parent = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+            page = self.hash_to_page.get(parent)
+            if page is None:
+                break
+            hits.append(page)
+        for page in hits:
+            self._ref(page)
+        request.block_ids = hits
+        request.page_hashes = hashes[:len(hits)]
+        num_cached = len(hits) * self.block_size
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
+        self.prefix_hits += min(num_cached, len(request.prompt_token_ids))
+        request.note_blocks()
+        return num_cached
+
+    def allocate(self, request, num_new_tokens: int) -> bool:
+        """Give the request the pages its next ``num_new_tokens`` tokens need; all or nothing."""
+        need = self.pages_needed(request, num_new_tokens)
+        if need > self.num_free_pages:
+            return False
+        request.block_ids.extend(self._take_free_page() for _ in range(need))
+        request.note_blocks()
+        return True
+
+    def free(self, request):
+        """Drop the request's references (last page first, so LRU eviction takes tails before heads)."""
+        for page in reversed(request.block_ids):
+            self.ref_count[page] -= 1
+            assert self.ref_count[page] >= 0, f"page {page} freed twice"
+            if self.ref_count[page] == 0:
+                self.free_pages[page] = None
+        request.block_ids = []
+        request.page_hashes = []
+
+    def register_full_pages(self, request):
+        """Publish the request's newly completed pages (all tokens known and computed) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = request.all_token_ids
+        known = request.num_tokens - request.num_pending
+        full = min(request.num_computed_tokens, known, len(request.block_ids) * self.block_size) // self.block_size
+        for i in range(len(request.page_hashes), full):
+            parent = request.page_hashes[-1] if request.page_hashes else 0
+            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            request.page_hashes.append(h)
+            page = request.block_ids[i]
+            if h not in self.hash_to_page and self.page_hash[page] is None:
+                self.hash_to_page[h] = page
+                self.page_hash[page] = h
+
+    # -- invariants (tests) ------------------------------------------------------------------------------
+    def check_invariants(self, requests):
+        owners = collections.Counter(p for r in requests for p in r.block_ids)
+        assert NULL_PAGE not in owners, "null page handed out"
+        assert self.ref_count[NULL_PAGE] == 0
+        for page in range(1, self.num_pages):
+            assert self.ref_count[page] == owners.get(page, 0), f"page {page}: ref {self.ref_count[page]} " \
+                                                                f"!= owners {owners.get(page, 0)}"
+            assert (self.ref_count[page] == 0) == (page in self.free_pages), f"page {page} free-list mismatch"
+        for h, page in self.hash_to_page.items():
+            assert self.page_hash[page] == h

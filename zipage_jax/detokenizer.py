@@ -1,0 +1,35 @@
+"""Incremental detokenization: decode only a short tail window per new token, not the whole output."""
+
+
+class IncrementalDetokenizer:
+    """Keeps ``text`` equal to the decoded output tokens while decoding O(window) tokens per step.
+
+    A token can be an incomplete UTF-8 sequence or change how its predecessor renders; like vLLM we keep a
+    prefix offset a few tokens back and emit text only once it no longer ends in a replacement character.
+    """
+
+    CONTEXT = 6  # prompt tokens kept as context, so the first output token renders as it would mid-text
+
+    def __init__(self, tokenizer, prompt_token_ids=(), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT:])
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly readable text (may be empty)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.text += new
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new
+        return ""

@@ -1,0 +1,338 @@
+"""LLMEngine (add_request / step / abort_request) and the offline ``LLM`` API, shaped like vLLM's.
+
+One ``step()``: schedule on the host → dispatch the jitted step(s) without waiting → read back the previous
+step's sampled tokens → update requests, detect stops, free finished requests → return what changed.
+The engine is single-threaded by design; ``serve`` drives it from one loop thread.
+"""
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from zipage_jax import kv_cache, weights
+from zipage_jax.attention import resolve_backend
+from zipage_jax.block_manager import BlockManager
+from zipage_jax.compile_counter import CompileCounter
+from zipage_jax.config import EngineConfig
+from zipage_jax.detokenizer import IncrementalDetokenizer
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.outputs import CompletionOutput, RequestOutput
+from zipage_jax.request import PENDING, Request, RequestStatus
+from zipage_jax.runner import ModelRunner
+from zipage_jax.sampling import SamplingParams
+from zipage_jax.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = str(pathlib.Path(__file__).parent / "assets" / "tiny-reasoner")
+RATE_WINDOW_S = 10.0
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig):
+    if name == "auto":
+        name = model_cfg.dtype if model_cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    return jnp.dtype(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+        if config.tensor_parallel_size > len(jax.devices()):
+            raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} > {len(jax.devices())} devices")
+        from transformers import AutoTokenizer
+
+        self.model_cfg = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.model_name = config.model
+        self.dtype = resolve_dtype(config.dtype, self.model_cfg)
+        self.params = weights.load_hf_weights(config.model, self.model_cfg, self.dtype)
+        limit = self.model_cfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.num_pages = kv_cache.num_pages_for(config, self.model_cfg, self.dtype, self.max_model_len)
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.runner = ModelRunner(config, self.model_cfg, self.params, self.num_pages, self.max_model_len,
+                                  self.dtype, resolve_backend(config.attention_backend), self.eos_token_ids)
+        self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_num_prefill_seqs)
+        self.compile_counter = CompileCounter()
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight = []
+        self._aborted: list[Request] = []
+        self._arrivals = itertools.count()
+        self._seeds = itertools.count(config.seed * 1_000_003 + 1)
+        self._rates = collections.deque()  # (time, prefill tokens, decode tokens)
+        self.totals = collections.Counter()
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB), max_model_len %d", self.num_pages, config.block_size,
+                 self.num_pages * kv_cache.page_bytes(self.model_cfg, config.block_size, self.dtype) / 2**20,
+                 self.max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs))
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None):
+        """Queue a request. Bad input raises ``ValueError`` and changes nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if text is not None else list(prompt)
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be ints in [0, {self.model_cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                             f"{self.max_model_len}")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        request = Request(request_id, ids, params, next(self._arrivals), prompt=text, seed=seed)
+        request.arrival_time = time.perf_counter()
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str):
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.has_work() or self._in_flight or self._aborted)
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        handles = []
+        if scheduled.decodes:
+            handles.append(self.runner.decode(scheduled.decodes))
+        if scheduled.prefills:
+            handles.append(self.runner.prefill(scheduled.prefills))
+        for handle in handles:
+            for request in handle.requests:
+                if request is not None:
+                    request.output_token_ids.append(PENDING)
+        changed = self._read_back(self._in_flight)
+        self._in_flight = handles
+        for request in self._aborted:
+            changed[request.request_id] = request
+        self._aborted = []
+        for request in changed.values():
+            if request.status.finished:
+                self._trim_pending(request)
+        return [self._output(r) for r in changed.values()]
+
+    def _read_back(self, handles) -> dict[str, Request]:
+        changed = {}
+        now = time.perf_counter()
+        for handle in handles:
+            tokens, logprobs = handle.result()
+            self._count(now, handle)
+            for row, request in enumerate(handle.requests):
+                if request is None or request.status.finished:
+                    continue
+                self._accept(request, int(tokens[row]), float(logprobs[row]))
+                changed[request.request_id] = request
+        return changed
+
+    def _count(self, now: float, handle):
+        key = "prefill_tokens" if handle.kind == "prefill" else "decode_tokens"
+        self.totals[key] += handle.num_tokens
+        self._rates.append((now, handle.num_tokens if handle.kind == "prefill" else 0,
+                            handle.num_tokens if handle.kind == "decode" else 0))
+        while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
+            self._rates.popleft()
+
+    def _accept(self, request: Request, token: int, logprob: float):
+        """Fill the oldest pending slot with the sampled token, then check every stop condition."""
+        index = request.output_token_ids.index(PENDING)
+        request.output_token_ids[index] = token
+        request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        self.block_manager.register_full_pages(request)
+        params = request.sampling_params
+        num_out = index + 1
+        detok = self._detokenizers[request.request_id]
+        detok.add(token)
+        status = None
+        if num_out >= params.min_tokens and (
+                token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif params.stop:
+            status = self._match_stop_string(request, detok)
+        if status is None and num_out >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        request.output_text = detok.text
+        if status is not None:
+            request.output_token_ids = request.output_token_ids[:num_out]
+            self.scheduler.finish(request, status)
+            request.finish_time = time.perf_counter()
+            self.totals["finished"] += 1
+
+    @staticmethod
+    def _match_stop_string(request, detok):
+        """Stop at the earliest stop string in the text; the matched string and what follows are dropped."""
+        hits = [(detok.text.find(s), s) for s in request.sampling_params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return None
+        pos, stop = min(hits)
+        detok.text = detok.text[:pos]
+        request.stop_reason = stop
+        return RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def _trim_pending(request):
+        while request.output_token_ids and request.output_token_ids[-1] == PENDING:
+            request.output_token_ids.pop()
+
+    def _output(self, request: Request) -> RequestOutput:
+        ids = [t for t in request.output_token_ids if t != PENDING]
+        logprobs = request.output_logprobs[:len(ids)]
+        want_logprobs = request.sampling_params.logprobs is not None
+        completion = CompletionOutput(
+            index=0, text=request.output_text, token_ids=ids,
+            cumulative_logprob=float(sum(logprobs)) if want_logprobs else None,
+            logprobs=list(logprobs) if want_logprobs else None,
+            finish_reason=request.status.value if request.status.finished else None,
+            stop_reason=request.stop_reason)
+        if request.status.finished:
+            self.requests.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.status.finished, self._request_metrics(request))
+
+    @staticmethod
+    def _request_metrics(request: Request) -> dict:
+        return dict(peak_kv_blocks=request.peak_blocks, num_cached_tokens=request.num_cached_tokens,
+                    num_preemptions=request.num_preemptions,
+                    time_to_first_token=(request.first_token_time - request.arrival_time
+                                         if request.first_token_time else None))
+
+    # -- observability ---------------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        span = (self._rates[-1][0] - self._rates[0][0]) if len(self._rates) > 1 else 0.0
+        prefill = sum(r[1] for r in self._rates)
+        decode = sum(r[2] for r in self._rates)
+        bm = self.block_manager
+        return dict(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preempted=self.scheduler.num_preemptions,
+            kv_pages_total=bm.num_pages - 1, kv_pages_used=bm.num_used_pages,
+            page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
+            prefix_cache_hit_rate=bm.hit_rate(),
+            prompt_tokens_total=self.totals["prefill_tokens"], generation_tokens_total=self.totals["decode_tokens"],
+            prefill_tokens_per_s=prefill / span if span else 0.0,
+            decode_tokens_per_s=decode / span if span else 0.0,
+            compression_time_share=0.0,
+            num_requests_finished=self.totals["finished"],
+            num_compiles=self.compile_counter.count,
+        )
+
+    def warmup(self):
+        """Compile every shape bucket now, so no request waits on a compile later."""
+        self.runner.warmup()
+
+
+class LLM:
+    """Offline batch generation: ``LLM(model).generate(prompts, sampling_params)``."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine.from_kwargs(model, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def metrics(self) -> dict:
+        return self.engine.metrics()
+
+    def warmup(self):
+        self.engine.warmup()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in input order (``n`` completions each)."""
+        prompts = _normalize_prompts(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params or SamplingParams()] * len(prompts)
+        groups, added = [], []
+        try:
+            for prompt, params in zip(prompts, per_prompt):
+                base = f"gen-{next(self._ids)}"
+                ids = []
+                for j in range(params.n if params else 1):
+                    sub = dataclasses.replace(params, seed=params.seed + j) if params.seed is not None and j else params
+                    self.engine.add_request(f"{base}-{j}", prompt, sub)
+                    ids.append(f"{base}-{j}")
+                    added.append(f"{base}-{j}")
+                groups.append(ids)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm, unit="req")
+        start, generated = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in added and out.request_id not in finals:
+                    finals[out.request_id] = out
+                    generated += len(out.outputs[0].token_ids)
+                    bar.update(1)
+                    bar.set_postfix(tok_per_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        bar.close()
+        results = []
+        for ids in groups:
+            first = finals[ids[0]]
+            completions = []
+            for j, request_id in enumerate(ids):
+                c = finals[request_id].outputs[0]
+                c.index = j
+                completions.append(c)
+            results.append(RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt, first.prompt_token_ids,
+                                         completions, True, first.metrics))
+        return results
+
+
+def _normalize_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenized prompt
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"prompts[{i}]: expected str or list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

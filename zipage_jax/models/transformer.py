@@ -1,0 +1,149 @@
+"""Functional llama / qwen2 / qwen3 decoder: a dense forward (training, parity) and a paged forward (engine).
+
+Both scan over the layer-stacked Params. Matmuls run in the params dtype; norms, RoPE, softmax and the
+final logits are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .config import ModelConfig
+from .params import LayerParams, Params
+from .rope import apply_rope, rope_cos_sin
+
+
+@struct.dataclass
+class PagedBatch:
+    """Packed tokens of one engine step.
+
+    `cu_q_lens is None` marks a decode step (one token per row, T == R); otherwise row r owns tokens
+    [cu_q_lens[r], cu_q_lens[r+1]), the last ones of its kv_lens[r] tokens. `logits_indices` picks the
+    tokens whose logits are returned.
+    """
+
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32 logical positions (RoPE)
+    slot_mapping: jax.Array  # [T] int32 flat slot page * S + offset
+    kv_lens: jax.Array  # [R] int32 physical lengths including this step's tokens
+    page_tables: jax.Array  # [R, P] int32
+    logits_indices: jax.Array  # [N] int32
+    cu_q_lens: jax.Array | None = None  # [R+1] int32, None for decode
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalise in f32, cast back to x.dtype, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _qkv(layer: LayerParams, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Post-RoPE q [..., Hq, D], k/v [..., Hkv, D] for normed hidden states h [..., Hd]."""
+    q, k, v = h @ layer.q_proj, h @ layer.k_proj, h @ layer.v_proj
+    if layer.q_bias is not None:
+        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+    lead = h.shape[:-1]
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(layer: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+    return (jax.nn.silu(h @ layer.gate_proj) * (h @ layer.up_proj)) @ layer.down_proj
+
+
+def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head is None:
+        return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float) -> jax.Array:
+    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal, GQA by grouping query heads, softmax in f32."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Causal forward over whole sequences without a cache: tokens [B,T] -> logits [B,T,V] float32.
+
+    Differentiable and jit-friendly (`cfg` must be static). `positions` [B,T] or [T] defaults to 0..T-1.
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = jnp.broadcast_to(positions, tokens.shape)
+    cos, sin = rope_cos_sin(positions, cfg)
+    sm_scale = cfg.head_dim ** -0.5
+
+    def layer_step(x, layer: LayerParams):
+        q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+        attn = _dense_causal_attention(q, k, v, sm_scale)
+        x = x + attn.reshape(*x.shape[:-1], cfg.q_size) @ layer.o_proj
+        return x + _mlp(layer, cfg, x), None
+
+    x, _ = jax.lax.scan(layer_step, params.embed[tokens], params.layers)
+    return _logits(params, cfg, x)
+
+
+def forward_paged(
+    params: Params,
+    cfg: ModelConfig,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    batch: PagedBatch,
+    backend,
+    return_queries: bool = False,
+):
+    """One engine step over packed tokens with the paged KV pool.
+
+    Writes this step's K/V at `batch.slot_mapping`, attends through `backend` (a static object with
+    write_kv / decode / prefill, see docs/ARCHITECTURE.md) and returns
+    `(logits [N,V] f32, k_pool, v_pool)`; with `return_queries=True` also the post-RoPE queries
+    `[L, T, Hq, D]` (input of compression scoring). The pools ride in the scan carry and each layer is
+    addressed by index, never sliced out.
+    """
+    cos, sin = rope_cos_sin(batch.positions, cfg)
+    sm_scale = cfg.head_dim ** -0.5
+    num_tokens = batch.tokens.shape[0]
+
+    def layer_step(carry, xs):
+        x, k_pool, v_pool = carry
+        layer, index = xs
+        q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+        k_pool, v_pool = backend.write_kv(k_pool, v_pool, index, batch.slot_mapping, k, v)
+        if batch.cu_q_lens is None:
+            attn = backend.decode(q, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
+        else:
+            attn = backend.prefill(
+                q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables, sm_scale
+            )
+        x = x + attn.reshape(num_tokens, cfg.q_size) @ layer.o_proj
+        x = x + _mlp(layer, cfg, x)
+        return (x, k_pool, v_pool), (q if return_queries else None)
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), queries = jax.lax.scan(
+        layer_step, (params.embed[batch.tokens], k_pool, v_pool), (params.layers, layer_ids)
+    )
+    logits = _logits(params, cfg, x[batch.logits_indices])
+    if return_queries:
+        return logits, k_pool, v_pool, queries
+    return logits, k_pool, v_pool

@@ -1,0 +1,78 @@
+"""Host-side state of one request: tokens, pages and progress. Plain Python, no device arrays."""
+
+import enum
+
+PENDING = -1  # placeholder for a token sampled on the device but not read back yet
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One generation request.
+
+    ``output_token_ids`` may end with ``PENDING`` placeholders (async readback); ``num_computed_tokens``
+    counts tokens whose K/V is in the pool, including those of a step already dispatched.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params, arrival: int,
+                 prompt: str | None = None, seed: int = 0):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival = arrival
+        self.seed = seed
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.block_ids: list[int] = []
+        self.page_hashes: list[int] = []  # chain hashes of the leading full pages (prefix cache)
+        self.status = RequestStatus.WAITING
+        self.token_slot: int | None = None  # row of the device token buffer while running
+        self.peak_blocks = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+        self.first_token_time: float | None = None
+        self.arrival_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        n = 0
+        for t in reversed(self.output_token_ids):
+            if t != PENDING:
+                break
+            n += 1
+        return n
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still has known tokens whose K/V is not computed (prompt, or prompt+outputs after a preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        return len(self.output_token_ids) >= self.sampling_params.max_tokens
+
+    def note_blocks(self):
+        self.peak_blocks = max(self.peak_blocks, len(self.block_ids))

@@ -1,0 +1,359 @@
+"""Sampling: host-side `SamplingParams`, device-side `SamplingTensors` and the jittable `sample()`.
+
+The pipeline follows vLLM's sampler order so results match what vLLM users expect:
+min-tokens bans -> repetition / frequency / presence penalties -> greedy argmax (temperature 0 rows)
+-> temperature -> min_p -> top_k -> top_p -> categorical draw (Gumbel-max).
+Logprobs are taken from the raw logits, before any of these steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# Below this a temperature is indistinguishable from argmax and only risks overflow (vLLM uses the same).
+GREEDY_TEMPERATURE = 1e-5
+_PENALTY_RANGE = (-2.0, 2.0)
+
+
+def _real(name: str, value, lo: float | None = None, hi: float | None = None,
+          lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    value = float(value)
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _int(name: str, value, lo: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings with vLLM's names and defaults; validated on construction.
+
+    `stop` is normalized to a tuple of strings, `stop_token_ids` to a tuple of ints, `top_k=-1` to 0
+    (disabled) and `logprobs` to None (off) or 0 (return the sampled token's logprob).
+    Use `dataclasses.replace(params, ...)` to derive a modified copy (it is validated again).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool | int | None = None
+    skip_special_tokens: bool = True
+    kv_budget_blocks: int | None = None
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("n", _int("n", self.n, lo=1))
+        put("temperature", _real("temperature", self.temperature, lo=0.0))
+        put("top_p", _real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
+        top_k = _int("top_k", self.top_k, lo=-1)
+        put("top_k", max(top_k, 0))
+        put("min_p", _real("min_p", self.min_p, lo=0.0, hi=1.0))
+        put("repetition_penalty",
+            _real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True))
+        put("presence_penalty", _real("presence_penalty", self.presence_penalty, *_PENALTY_RANGE))
+        put("frequency_penalty", _real("frequency_penalty", self.frequency_penalty, *_PENALTY_RANGE))
+        if self.seed is not None:
+            seed = _int("seed", self.seed)
+            if not -(2**63) <= seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {seed}")
+            put("seed", seed)
+        put("stop", _stop_strings(self.stop))
+        put("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        put("max_tokens", _int("max_tokens", self.max_tokens, lo=1))
+        put("min_tokens", _int("min_tokens", self.min_tokens, lo=0))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
+        put("logprobs", _logprobs(self.logprobs))
+        put("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
+        if self.kv_budget_blocks is not None:
+            put("kv_budget_blocks", _int("kv_budget_blocks", self.kv_budget_blocks, lo=1))
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (or below `GREEDY_TEMPERATURE`): argmax after penalties."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, Iterable):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    items = tuple(items)
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {s!r}")
+        if not s:
+            raise ValueError("stop must not contain an empty string")
+    return items
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
+    return tuple(_int(name, i, lo=0) for i in ids)
+
+
+def _logprobs(value) -> int | None:
+    if value is None or value is False:
+        return None
+    if value is True or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                         and value == 0):
+        return 0
+    raise ValueError(f"logprobs must be None, True or 0 (the sampled token's logprob), got {value!r}")
+
+
+class SamplingRow(NamedTuple):
+    """What the host knows about one row of a sampling batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seed: int        # the request's seed (the engine assigns one to unseeded requests)
+    step: int        # index, among the request's outputs, of the token being generated
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+@struct.dataclass
+class SamplingTensors:
+    """Per-row sampling state of a batch of B rows, as arrays (a pytree; shapes are jit cache keys).
+
+    temperature [B] f32 (0 = greedy), top_k [B] i32 (0 = off), top_p [B] f32, min_p [B] f32,
+    repetition_penalty / presence_penalty / frequency_penalty [B] f32,
+    seeds [B,2] u32 (low / high word of the request seed mod 2**64), steps [B] i32,
+    history [B,W] i32 (prompt + output tokens of penalized rows, -1 = pad),
+    history_is_output [B,W] bool (True where the entry is an output token; an output entry may be -1,
+        a token not read back yet, which the caller fills in on the device before `sample`),
+    banned_token_ids [B,E] i32 (ids masked to -inf: EOS / stop ids of rows below min_tokens; -1 = pad).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+    history: jax.Array
+    history_is_output: jax.Array
+    banned_token_ids: jax.Array
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow | tuple], vocab_size: int,
+                  eos_token_ids: int | Iterable[int], history_width: int | None = None,
+                  batch_size: int | None = None) -> SamplingTensors:
+        """Build the numpy arrays for `rows`, padded to `batch_size` rows (padding rows are greedy).
+
+        W (history width) is the next power of two >= the longest history any penalized row needs
+        (prompt + output with a repetition penalty, output only otherwise), or 1 when no row is
+        penalized; `history_width` pins it instead. E is the next power of two >= the most ids a
+        row bans. Powers of two keep the number of distinct shapes (jit cache keys) logarithmic.
+        """
+        rows = [SamplingRow(*r) for r in rows]
+        vocab_size = _int("vocab_size", vocab_size, lo=1)
+        b = len(rows) if batch_size is None else _int("batch_size", batch_size, lo=1)
+        if b < len(rows):
+            raise ValueError(f"batch_size ({b}) must be >= the number of rows ({len(rows)})")
+        eos = _token_ids("eos_token_ids",
+                         (eos_token_ids,) if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids)
+
+        histories, bans = [], []
+        for r in rows:
+            p = r.params
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"rows: params must be SamplingParams, got {type(p).__name__}")
+            _int("rows: seed", r.seed)
+            step = _int("rows: step", r.step, lo=0)
+            out = list(r.output_token_ids)
+            if p.uses_penalties:
+                prompt = list(r.prompt_token_ids) if p.repetition_penalty != 1.0 else []
+                histories.append((prompt, out))
+            else:
+                histories.append(([], []))
+            if step < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+                bans.append(sorted(ids))
+            else:
+                bans.append([])
+
+        longest = max((len(a) + len(o) for a, o in histories), default=0)
+        w = _next_pow2(longest) if any(r.params.uses_penalties for r in rows) else 1
+        if history_width is not None:
+            w = _int("history_width", history_width, lo=1)
+            if w < longest:
+                raise ValueError(f"history_width ({w}) must be >= the longest history ({longest})")
+        e = _next_pow2(max((len(x) for x in bans), default=1))
+
+        f32 = lambda fill: np.full(b, fill, np.float32)  # noqa: E731
+        t = cls(temperature=f32(0.0), top_k=np.zeros(b, np.int32), top_p=f32(1.0), min_p=f32(0.0),
+                repetition_penalty=f32(1.0), presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
+                seeds=np.zeros((b, 2), np.uint32), steps=np.zeros(b, np.int32),
+                history=np.full((b, w), -1, np.int32), history_is_output=np.zeros((b, w), bool),
+                banned_token_ids=np.full((b, e), -1, np.int32))
+        for i, (r, (prompt, out), ban) in enumerate(zip(rows, histories, bans)):
+            p = r.params
+            if not p.greedy:  # greedy rows keep the neutral filters so they never trigger a filter branch
+                t.temperature[i] = p.temperature
+                t.top_k[i] = p.top_k if p.top_k < vocab_size else 0
+                t.top_p[i] = p.top_p
+                t.min_p[i] = p.min_p
+            t.repetition_penalty[i] = p.repetition_penalty
+            t.presence_penalty[i] = p.presence_penalty
+            t.frequency_penalty[i] = p.frequency_penalty
+            seed = r.seed % 2**64
+            t.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+            t.steps[i] = r.step
+            t.history[i, :len(prompt)] = prompt
+            t.history[i, len(prompt):len(prompt) + len(out)] = out
+            t.history_is_output[i, len(prompt):len(prompt) + len(out)] = True
+            t.banned_token_ids[i, :len(ban)] = ban
+        return t
+
+
+def _rows_index(x: jax.Array, cols: jax.Array) -> jax.Array:
+    """Per-row column ids usable by .at[] on x [B,V]: pad / out-of-range ids become V (dropped)."""
+    v = x.shape[-1]
+    return jnp.where((cols >= 0) & (cols < v), cols, v)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Min-tokens bans, then repetition (prompt + output, HF/vLLM: logit > 0 -> /p else *p),
+    frequency (-f * count) and presence (-p if present) over output tokens; skipped when no row needs it.
+
+    Works by gather/scatter over the [B,W] history so no [B,V] count arrays are built.
+    """
+    logits = logits.astype(jnp.float32)
+    b = logits.shape[0]
+    rows = jnp.arange(b)[:, None]
+    needed = (jnp.any(t.repetition_penalty != 1.0) | jnp.any(t.presence_penalty != 0.0)
+              | jnp.any(t.frequency_penalty != 0.0) | jnp.any(t.banned_token_ids >= 0))
+
+    def penalize(x):
+        cols = _rows_index(x, t.history)
+        out_cols = jnp.where(t.history_is_output, cols, x.shape[-1])
+        x = x.at[rows, _rows_index(x, t.banned_token_ids)].set(-jnp.inf, mode="drop")
+        # Repetition: duplicates of a token write the same value, so the scatter is idempotent.
+        g = jnp.take_along_axis(x, cols, axis=1, mode="clip")
+        p = t.repetition_penalty[:, None]
+        x = x.at[rows, cols].set(jnp.where(g > 0, g / p, g * p), mode="drop")
+        # Presence once per distinct token (idempotent set), frequency once per occurrence (add).
+        g = jnp.take_along_axis(x, out_cols, axis=1, mode="clip")
+        x = x.at[rows, out_cols].set(g - t.presence_penalty[:, None], mode="drop")
+        freq = jnp.broadcast_to(t.frequency_penalty[:, None], out_cols.shape)
+        return x.at[rows, out_cols].add(-freq, mode="drop")
+
+    return jax.lax.cond(needed, penalize, lambda x: x, logits)
+
+
+def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Temperature, then min_p, top_k, top_p (vLLM order); filtered-out tokens become -inf.
+
+    Greedy rows (temperature 0) are left at temperature 1 and unfiltered. The sort needed by
+    top_k / top_p runs only when some row uses one of them.
+    """
+    x = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+
+    def min_p(x):
+        cutoff = jnp.max(x, axis=-1, keepdims=True) + jnp.log(t.min_p)[:, None]
+        return jnp.where(x >= cutoff, x, -jnp.inf)
+
+    def top_k_top_p(x):
+        v = x.shape[-1]
+        desc = -jnp.sort(-x, axis=-1)
+        k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        probs = jax.nn.softmax(jnp.where(desc >= kth, desc, -jnp.inf), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        n_keep = jnp.maximum(jnp.sum(before < t.top_p[:, None], axis=-1), 1)
+        pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+        cutoff = jnp.maximum(kth, jnp.where(t.top_p[:, None] < 1.0, pth, -jnp.inf))
+        return jnp.where(x >= cutoff, x, -jnp.inf)
+
+    x = jax.lax.cond(jnp.any(t.min_p > 0), min_p, lambda x: x, x)
+    return jax.lax.cond(jnp.any((t.top_k > 0) | (t.top_p < 1.0)), top_k_top_p, lambda x: x, x)
+
+
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """key_r = fold_in(fold_in(key(0), seed_r), step_r): a row's randomness depends only on its
+    request seed and token index, never on its batch or row position."""
+    def one(seed, step):
+        k = jax.random.fold_in(jax.random.key(0), seed[0])
+        k = jax.random.fold_in(k, seed[1])
+        return jax.random.fold_in(k, step)
+    return jax.vmap(one)(seeds, steps)
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """logits [B,V] -> (tokens [B] int32, logprobs [B] float32 of the raw logits at the token)."""
+    if logits.ndim != 2 or logits.shape[0] != t.temperature.shape[0]:
+        raise ValueError(f"logits must be [B={t.temperature.shape[0]}, V], got {logits.shape}")
+    logits = logits.astype(jnp.float32)
+    raw_lse = jax.nn.logsumexp(logits, axis=-1)
+    x = apply_penalties(logits, t)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    is_greedy = t.temperature <= 0
+
+    def draw(x):
+        x = apply_filters(x, t)
+        v = x.shape[-1]
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(row_keys(t.seeds, t.steps))
+        drawn = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy_tokens, drawn)
+
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, draw, x)
+    token_logits = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logits - raw_lse

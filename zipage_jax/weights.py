@@ -1,0 +1,240 @@
+"""Model weights: HF safetensors -> Params, orbax save/restore of converted Params, random init.
+
+Loading streams one stacked field at a time (host buffer -> device -> released) so peak host memory is one
+field, never two copies of the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .models.config import ModelConfig
+from .models.params import Params, param_shapes, params_from_flat
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+# Per-layer fields: our name -> (HF suffix after `model.layers.N.`, is a matrix to transpose)
+_LAYER_TENSORS = {
+    "input_norm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "post_norm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+}
+_TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+# Tensors some checkpoints carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SafetensorsFile:
+    """Zero-copy numpy views of the tensors in one .safetensors file (bf16 through ml_dtypes)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header_len = int.from_bytes(self._map[:8], "little")
+        header = json.loads(self._map[8 : 8 + header_len])
+        header.pop("__metadata__", None)
+        self._data_start = 8 + header_len
+        self.entries = header
+
+    def get(self, name: str) -> np.ndarray:
+        entry = self.entries[name]
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} in {self.path} has unsupported dtype {entry['dtype']}")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        count = (end - begin) // dtype.itemsize
+        array = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + begin)
+        return array.reshape(entry["shape"])
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a HF checkpoint directory: one model.safetensors or shards named by the index."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ValueError(f"path: checkpoint directory {self.path} does not exist")
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: self.path / shard for name, shard in weight_map.items()}
+        elif single.exists():
+            files = None
+        else:
+            raise ValueError(f"path: {self.path} has neither model.safetensors nor model.safetensors.index.json")
+        self._open: dict[Path, SafetensorsFile] = {}
+        if files is None:
+            shard = self._file(single)
+            files = {name: single for name in shard.entries}
+        self.files = files
+
+    def _file(self, path: Path) -> SafetensorsFile:
+        if path not in self._open:
+            if not path.exists():
+                raise ValueError(f"path: shard {path} named by the index does not exist")
+            self._open[path] = SafetensorsFile(path)
+        return self._open[path]
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise ValueError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return self._file(self.files[name]).get(name)
+
+
+@jax.jit
+def _transpose_last(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _load_field(ckpt: SafetensorsCheckpoint, names: list[str], transpose: bool, shape, dtype, device):
+    """Stack tensors `names` into one host buffer (HF layout), send it to the device, convert there."""
+    first = ckpt.get(names[0])
+    stacked_shape = (len(names), *first.shape) if len(shape) > first.ndim else first.shape
+    expected = tuple(stacked_shape[:-2]) + tuple(stacked_shape[:-3:-1]) if transpose else tuple(stacked_shape)
+    if expected != tuple(shape):
+        raise ValueError(
+            f"tensor {names[0]!r} has shape {first.shape}, which does not fit the config (field shape {shape})"
+        )
+    if stacked_shape == first.shape:
+        host = first  # a single tensor: send the memory-mapped view as is
+    else:
+        host = np.empty(stacked_shape, dtype=first.dtype)
+        for i, name in enumerate(names):
+            tensor = ckpt.get(name)
+            if tensor.shape != first.shape:
+                raise ValueError(f"tensor {name!r} has shape {tensor.shape}, expected {first.shape}")
+            host[i] = tensor
+    array = jax.device_put(host, device).block_until_ready()  # the host buffer is free before the next field
+    del host
+    if transpose:
+        array = _transpose_last(array)
+    return array.astype(dtype)
+
+
+def load_hf_weights(path, cfg: ModelConfig, dtype=jnp.bfloat16, device=None) -> Params:
+    """Params from the safetensors of a HF checkpoint directory, cast to `dtype`, on `device` (default device)."""
+    ckpt = SafetensorsCheckpoint(path)
+    device = device or jax.devices()[0]
+    shapes = param_shapes(cfg)
+    used: set[str] = set()
+    flat = {}
+    for field, shape in shapes.items():
+        if shape is None:
+            continue
+        if field.startswith("layers."):
+            suffix, transpose = _LAYER_TENSORS[field.removeprefix("layers.")]
+            names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
+        else:
+            name, transpose = _TOP_TENSORS[field]
+            names = [name]
+        flat[field] = _load_field(ckpt, names, transpose, shape, dtype, device)
+        used.update(names)
+    unused = {
+        n for n in ckpt.names() - used
+        if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    }
+    if unused:
+        raise ValueError(f"checkpoint {path} has tensors the {cfg.model_type} config does not use: {sorted(unused)[:8]}")
+    return params_from_flat(flat)
+
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+    """Deterministic random Params (normal(std) matrices, ~1 norms), generated on the device field by field."""
+    flat = {}
+    for i, (field, shape) in enumerate(param_shapes(cfg).items()):
+        if shape is None:
+            continue
+        is_norm = field.endswith("norm")
+        flat[field] = _random_field(jax.random.fold_in(key, i), shape, jnp.dtype(dtype), std, is_norm)
+    return params_from_flat(flat)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_field(key, shape, dtype, std, is_norm):
+    noise = jax.random.normal(key, shape, jnp.float32) * std
+    return (1.0 + noise if is_norm else noise).astype(dtype)
+
+
+def save_params(params: Params, directory) -> None:
+    """Write Params as an orbax checkpoint at `directory` (must not exist yet)."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if directory.exists():
+        raise ValueError(f"directory: {directory} already exists")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory, params)
+
+
+def restore_params(directory, cfg: ModelConfig, device=None) -> Params:
+    """Read Params saved by `save_params`, checking every field's shape against `cfg`."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise ValueError(f"directory: orbax checkpoint {directory} does not exist")
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(directory).item_metadata.tree
+        abstract = {}
+        for field, shape in param_shapes(cfg).items():
+            parts = field.split(".")
+            meta = tree.get(parts[0]) if len(parts) == 1 else (tree.get(parts[0]) or {}).get(parts[1])
+            if (meta is None) != (shape is None) or (meta is not None and tuple(meta.shape) != shape):
+                found = None if meta is None else tuple(meta.shape)
+                raise ValueError(f"checkpoint {directory}: field {field} is {found}, the config expects {shape}")
+            if shape is not None:
+                abstract[field] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)
+        return checkpointer.restore(directory, params_from_flat(abstract))
+
+
+def load_params(path, dtype=jnp.bfloat16, cache_dir=None) -> tuple[ModelConfig, Params]:
+    """(config, Params) of a HF checkpoint directory.
+
+    With `cache_dir`, the converted Params are kept as an orbax checkpoint `cache_dir/<dtype>` and restored
+    from there on later calls (much faster than re-reading safetensors).
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    dtype_name = jnp.dtype(dtype).name
+    if cache_dir is None:
+        return cfg, load_hf_weights(path, cfg, dtype)
+    cached = Path(cache_dir) / dtype_name
+    if cached.is_dir():
+        return cfg, restore_params(cached, cfg)
+    params = load_hf_weights(path, cfg, dtype)
+    os.makedirs(cached.parent, exist_ok=True)
+    save_params(params, cached)
+    return cfg, params
