@@ -5,8 +5,10 @@ steps. All backends share the semantics of ``pallas_kernels.reference``.
 """
 
 import dataclasses
+import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference
 
@@ -28,6 +30,38 @@ class ReferenceBackend:
 
 
 BACKENDS = {"reference": ReferenceBackend}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedBackend:
+    """Runs a backend per tensor-parallel shard: heads are independent, so each shard attends over its own."""
+
+    base: object
+    mesh: jax.sharding.Mesh
+
+    @property
+    def name(self):
+        return self.base.name
+
+    def _map(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
+        pool, rows = P(None, None, "tp"), P(None, "tp")
+        return self._map(self.base.write_kv, (pool, pool, P(), P(), rows, rows), (pool, pool))(
+            k_pool, v_pool, layer, slot_mapping, k, v)
+
+    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        pool, heads = P(None, None, "tp"), P(None, "tp")
+        fn = functools.partial(self.base.decode, sm_scale=sm_scale)
+        return self._map(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P()), heads)(
+            q, k_pool, v_pool, layer, kv_lens, page_tables)
+
+    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        pool, heads = P(None, None, "tp"), P(None, "tp")
+        fn = functools.partial(self.base.prefill, sm_scale=sm_scale)
+        return self._map(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P(), P()), heads)(
+            q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables)
 
 
 def register_backend(cls):

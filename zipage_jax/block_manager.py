@@ -45,7 +45,7 @@ class BlockManager:
         return self.num_pages - 1 - self.num_free_pages
 
     def pages_needed(self, request, num_new_tokens: int) -> int:
-        want = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        want = -(-(request.num_physical_tokens + num_new_tokens) // self.block_size)
         return max(0, want - len(request.block_ids))
 
     def hit_rate(self) -> float:
@@ -54,10 +54,7 @@ class BlockManager:
     # -- allocation --------------------------------------------------------------------------------------
     def _take_free_page(self) -> int:
         page, _ = self.free_pages.popitem(last=False)
-        old = self.page_hash[page]
-        if old is not None:  # its cached contents are about to be overwritten
-            del self.hash_to_page[old]
-            self.page_hash[page] = None
+        self._unpublish(page)  # its cached contents are about to be overwritten
         self.ref_count[page] = 1
         return page
 
@@ -108,16 +105,52 @@ class BlockManager:
     def free(self, request):
         """Drop the request's references (last page first, so LRU eviction takes tails before heads)."""
         for page in reversed(request.block_ids):
-            self.ref_count[page] -= 1
-            assert self.ref_count[page] >= 0, f"page {page} freed twice"
-            if self.ref_count[page] == 0:
-                self.free_pages[page] = None
+            self._unref(page)
         request.block_ids = []
         request.page_hashes = []
 
+    def _unpublish(self, page: int):
+        old = self.page_hash[page]
+        if old is not None:
+            del self.hash_to_page[old]
+            self.page_hash[page] = None
+
+    def _unref(self, page: int):
+        self.ref_count[page] -= 1
+        assert self.ref_count[page] >= 0, f"page {page} freed twice"
+        if self.ref_count[page] == 0:
+            self.free_pages[page] = None
+
+    def _private(self, page: int) -> int:
+        """The page itself if only this request holds it (it stops being a cache entry), else a fresh copy target."""
+        if self.ref_count[page] == 1:
+            self._unpublish(page)
+            return page
+        self._unref(page)
+        return self._take_free_page()
+
+    def plan_compression(self, request, budget: int):
+        """Pages for compacting the request into ``budget`` pages plus a recent page.
+
+        Returns ``(src_pages, dst_pages)`` — the live pages read, the pages the kept slots are written to — or
+        None when copy-on-write of shared pages needs more free pages than there are. Shared pages are only
+        read (they lose this request's reference); pages in between are released, still findable by hash.
+        """
+        src = list(request.block_ids)
+        cow = sum(self.ref_count[p] > 1 for p in src[:budget]) + (self.ref_count[src[-1]] > 1)
+        if cow > self.num_free_pages:
+            return None
+        dst = [self._private(p) for p in src[:budget]]
+        recent = self._private(src[-1])
+        for page in src[budget:-1]:
+            self._unref(page)
+        request.block_ids = dst + [recent]
+        request.page_hashes = []
+        return src, dst
+
     def register_full_pages(self, request):
         """Publish the request's newly completed pages (all tokens known and computed) in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.compressed:
             return
         tokens = request.all_token_ids
         known = request.num_tokens - request.num_pending

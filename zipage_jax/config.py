@@ -4,6 +4,8 @@ import dataclasses
 import os
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+EVICTION_POLICIES = ("zipage", "window")
+REDUNDANCY_MODES = ("off", "lightning", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,21 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = os.path.join("~", ".cache", "zipage_jax", "xla")
+    # Compressed PagedAttention (off = full-KV mode, the vLLM-like baseline)
+    compression: bool = False
+    kv_budget_blocks: int = 8
+    eviction_policy: str = "zipage"
+    window: int = 16
+    sink_tokens: int = 0
+    global_score: bool = True
+    decay: float = 0.8
+    pooling: bool = True
+    pooling_width: int = 5
+    pooling_first_only: bool = True
+    redundancy: str = "lightning"
+    redundancy_weight: float = 0.8
+    similarity_threshold: float = 0.5
+    redundancy_temperature: float = 0.4
 
     def __post_init__(self):
         def check(ok, field, why):
@@ -59,6 +76,26 @@ class EngineConfig:
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "must be a positive int")
         check(isinstance(self.attention_backend, str), "attention_backend", "must be a string")
+        check(isinstance(self.compression, bool), "compression", "must be a bool")
+        check(is_int(self.kv_budget_blocks) and self.kv_budget_blocks >= 1, "kv_budget_blocks", "must be an int >= 1")
+        check(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", f"must be one of {EVICTION_POLICIES}")
+        check(is_int(self.window) and 1 <= self.window <= self.block_size, "window",
+              "must be an int in [1, block_size]")
+        check(is_int(self.sink_tokens) and self.sink_tokens >= 0, "sink_tokens", "must be an int >= 0")
+        check(self.sink_tokens + self.window <= self.kv_budget_blocks * self.block_size, "sink_tokens",
+              "sink_tokens + window must fit in kv_budget_blocks * block_size")
+        for name in ("global_score", "pooling", "pooling_first_only"):
+            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(isinstance(self.decay, (int, float)) and 0 <= self.decay <= 1, "decay", "must be in [0, 1]")
+        check(is_int(self.pooling_width) and self.pooling_width >= 1 and self.pooling_width % 2 == 1,
+              "pooling_width", "must be a positive odd int")
+        check(self.redundancy in REDUNDANCY_MODES, "redundancy", f"must be one of {REDUNDANCY_MODES}")
+        check(isinstance(self.redundancy_weight, (int, float)) and 0 <= self.redundancy_weight <= 1,
+              "redundancy_weight", "must be in [0, 1]")
+        check(isinstance(self.similarity_threshold, (int, float)) and -1 <= self.similarity_threshold <= 1,
+              "similarity_threshold", "must be in [-1, 1]")
+        check(isinstance(self.redundancy_temperature, (int, float)) and self.redundancy_temperature > 0,
+              "redundancy_temperature", "must be > 0")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

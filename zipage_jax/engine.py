@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from zipage_jax import kv_cache, weights
-from zipage_jax.attention import resolve_backend
+from zipage_jax import kv_cache, sharding, weights
+from zipage_jax.attention import ShardedBackend, resolve_backend
 from zipage_jax.block_manager import BlockManager
 from zipage_jax.compile_counter import CompileCounter
 from zipage_jax.config import EngineConfig
@@ -47,15 +47,15 @@ class LLMEngine:
         self.config = config
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
-        if config.tensor_parallel_size > len(jax.devices()):
-            raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} > {len(jax.devices())} devices")
         from transformers import AutoTokenizer
 
         self.model_cfg = ModelConfig.from_pretrained(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model
         self.dtype = resolve_dtype(config.dtype, self.model_cfg)
-        self.params = weights.load_hf_weights(config.model, self.model_cfg, self.dtype)
+        self.mesh = sharding.make_mesh(config.tensor_parallel_size, self.model_cfg)
+        self.params = sharding.shard_params(weights.load_hf_weights(config.model, self.model_cfg, self.dtype),
+                                            self.mesh)
         limit = self.model_cfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
@@ -65,11 +65,14 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        backend = resolve_backend(config.attention_backend)
+        if config.tensor_parallel_size > 1:
+            backend = ShardedBackend(backend, self.mesh)
         self.runner = ModelRunner(config, self.model_cfg, self.params, self.num_pages, self.max_model_len,
-                                  self.dtype, resolve_backend(config.attention_backend), self.eos_token_ids)
+                                  self.dtype, backend, self.mesh, self.eos_token_ids)
         self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_num_prefill_seqs)
+                                   config.max_num_prefill_seqs, config.compression, config.kv_budget_blocks)
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -128,6 +131,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         handles = []
+        if scheduled.compressions:  # before any step that reuses the pages it frees (same device stream)
+            self.runner.compress(scheduled.compressions)
+            self.totals["compressions"] += len(scheduled.compressions)
         if scheduled.decodes:
             handles.append(self.runner.decode(scheduled.decodes))
         if scheduled.prefills:
@@ -230,7 +236,8 @@ class LLMEngine:
     @staticmethod
     def _request_metrics(request: Request) -> dict:
         return dict(peak_kv_blocks=request.peak_blocks, num_cached_tokens=request.num_cached_tokens,
-                    num_preemptions=request.num_preemptions,
+                    num_preemptions=request.num_preemptions, num_compressions=request.num_compressions,
+                    peak_kv_blocks_after_compression=request.peak_blocks_after_compression,
                     time_to_first_token=(request.first_token_time - request.arrival_time
                                          if request.first_token_time else None))
 
@@ -251,6 +258,7 @@ class LLMEngine:
             decode_tokens_per_s=decode / span if span else 0.0,
             compression_time_share=0.0,
             num_requests_finished=self.totals["finished"],
+            num_compressions=self.totals["compressions"],
             num_compiles=self.compile_counter.count,
         )
 

@@ -42,6 +42,9 @@ class Request:
         self.token_slot: int | None = None  # row of the device token buffer while running
         self.peak_blocks = 0
         self.num_preemptions = 0
+        self.num_evicted = 0  # tokens dropped by compression: physical length = computed - evicted
+        self.num_compressions = 0
+        self.peak_blocks_after_compression = 0
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.first_token_time: float | None = None
@@ -66,6 +69,20 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_physical_tokens(self) -> int:
+        """Live KV slots: equals the logical length until the first compression."""
+        return self.num_computed_tokens - self.num_evicted
+
+    @property
+    def compressed(self) -> bool:
+        """Has evicted tokens (a recompute after preemption starts uncompressed again)."""
+        return self.num_evicted > 0
+
+    def kv_budget(self, default: int) -> int:
+        budget = self.sampling_params.kv_budget_blocks
+        return default if budget is None else budget
+
+    @property
     def is_prefilling(self) -> bool:
         """Still has known tokens whose K/V is not computed (prompt, or prompt+outputs after a preemption)."""
         return self.num_computed_tokens < self.num_tokens - 1
@@ -76,3 +93,5 @@ class Request:
 
     def note_blocks(self):
         self.peak_blocks = max(self.peak_blocks, len(self.block_ids))
+        if self.compressed:
+            self.peak_blocks_after_compression = max(self.peak_blocks_after_compression, len(self.block_ids))

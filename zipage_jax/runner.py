@@ -12,12 +12,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax import kv_cache, packing
+from zipage_jax import kv_cache, packing, sharding
+from zipage_jax.compression import CompressionPlan, ScoringConfig, compress
 from zipage_jax.models import PagedBatch, forward_paged
 from zipage_jax.request import PENDING
 from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def scoring_config(config) -> ScoringConfig:
+    """The static scoring knobs of the engine config."""
+    return ScoringConfig(
+        window=config.window, sink_tokens=config.sink_tokens, policy=config.eviction_policy,
+        global_score=config.global_score, decay=config.decay, pooling=config.pooling,
+        pooling_width=config.pooling_width, pooling_first_only=config.pooling_first_only,
+        redundancy=config.redundancy, redundancy_weight=config.redundancy_weight,
+        similarity_threshold=config.similarity_threshold, redundancy_temperature=config.redundancy_temperature)
 
 
 def bucket_sizes(smallest: int, largest: int) -> list[int]:
@@ -50,22 +61,28 @@ class StepHandle:
         return np.asarray(self.tokens), np.asarray(self.logprobs)
 
 
-def _step(params, k_pool, v_pool, token_buffer, packed, *, spec, model_cfg, backend):
+def _step(params, k_pool, v_pool, query_cache, token_buffer, packed, *, spec, model_cfg, backend, store_queries):
     inputs = packing.unpack(packed, spec)
     batch, sampling = inputs["batch"], inputs["sampling"]
     in_flight = token_buffer[inputs["buffer_slot"]]
     batch = batch.replace(tokens=jnp.where(inputs["from_buffer"], in_flight, batch.tokens))
-    logits, k_pool, v_pool = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend)
+    if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
+        logits, k_pool, v_pool, queries = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend,
+                                                        return_queries=True)
+        ring = batch.positions % query_cache.shape[2]
+        query_cache = query_cache.at[:, inputs["query_slot"], ring].set(queries.astype(query_cache.dtype))
+    else:
+        logits, k_pool, v_pool = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend)
     # penalties must see the token each row is being fed even when the host does not know it yet
     pending = sampling.history_is_output & (sampling.history == PENDING)
     history = jnp.where(pending, token_buffer[inputs["sample_slot"]][:, None], sampling.history)
     tokens, logprobs = sample(logits, sampling.replace(history=history))
     token_buffer = token_buffer.at[inputs["sample_slot"]].set(tokens)
-    return k_pool, v_pool, token_buffer, tokens, logprobs
+    return k_pool, v_pool, query_cache, token_buffer, tokens, logprobs
 
 
 class ModelRunner:
-    def __init__(self, config, model_cfg, params, num_pages: int, max_model_len: int, dtype, backend,
+    def __init__(self, config, model_cfg, params, num_pages: int, max_model_len: int, dtype, backend, mesh,
                  eos_token_ids=()):
         self.config = config
         self.model_cfg = model_cfg
@@ -75,14 +92,23 @@ class ModelRunner:
         self.num_pages = num_pages
         self.pages_per_seq = -(-max_model_len // config.block_size)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.k_pool, self.v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, dtype)
-        self.sink_slot = config.max_num_seqs  # rows that sample nothing write their token here
-        self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), self.k_pool.sharding)
+        self.k_pool, self.v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, dtype,
+                                                          sharding.kv_head_sharding(mesh))
+        self.sink_slot = config.max_num_seqs  # rows that sample (or store queries for) nothing write here
+        self.compression = config.compression
+        self.window = config.window
+        self.query_cache, self.score_cache = kv_cache.allocate_compression_state(
+            model_cfg, config, num_pages, dtype, mesh)
+        self.scoring = scoring_config(config)
+        self._compress = jax.jit(functools.partial(compress, cfg=self.scoring, sm_scale=model_cfg.head_dim ** -0.5),
+                                 donate_argnums=(0, 1, 2))
+        self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), sharding.replicated(mesh))
         self.decode_sizes = bucket_sizes(1, config.max_num_seqs)
         self.prefill_token_sizes = bucket_sizes(min(16, config.max_num_batched_tokens), config.max_num_batched_tokens)
         self.prefill_row_sizes = bucket_sizes(1, config.max_num_prefill_seqs)
-        self._jitted = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend),
-                               static_argnames=("spec",), donate_argnums=(1, 2, 3))
+        self._jitted = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend,
+                                                 store_queries=config.compression),
+                               static_argnames=("spec",), donate_argnums=(1, 2, 3, 4))
 
     # -- host-side packing -------------------------------------------------------------------------------
     def _page_table(self, rows: int, requests) -> np.ndarray:
@@ -105,8 +131,8 @@ class ModelRunner:
 
     def _dispatch(self, inputs, requests, kind: str, num_tokens: int) -> StepHandle:
         packed, spec = packing.pack(inputs)
-        self.k_pool, self.v_pool, self.token_buffer, tokens, logprobs = self._jitted(
-            self.params, self.k_pool, self.v_pool, self.token_buffer, jnp.asarray(packed), spec=spec)
+        self.k_pool, self.v_pool, self.query_cache, self.token_buffer, tokens, logprobs = self._jitted(
+            self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer, jnp.asarray(packed), spec=spec)
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepHandle(requests, tokens, logprobs, kind, num_tokens)
@@ -120,18 +146,19 @@ class ModelRunner:
         buffer_slot = np.full(rows, self.sink_slot, np.int32)
         sample_slot = np.full(rows, self.sink_slot, np.int32)
         for i, r in enumerate(requests):
-            index = r.num_computed_tokens - 1
+            index = r.num_computed_tokens - 1  # logical position; its slot is at the physical index
             token = r.all_token_ids[index]
             if token == PENDING:
                 from_buffer[i], buffer_slot[i] = True, r.token_slot
             else:
                 tokens[i] = token
-            positions[i], slots[i], kv_lens[i] = index, self._slot(r, index), index + 1
+            physical = r.num_physical_tokens - 1
+            positions[i], slots[i], kv_lens[i] = index, self._slot(r, physical), physical + 1
             sample_slot[i] = r.token_slot
         batch = PagedBatch(tokens=tokens, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                            page_tables=self._page_table(rows, requests), logits_indices=np.arange(rows, dtype=np.int32))
         inputs = dict(batch=batch, sampling=self._sampling(rows, requests), from_buffer=from_buffer,
-                      buffer_slot=buffer_slot, sample_slot=sample_slot)
+                      buffer_slot=buffer_slot, sample_slot=sample_slot, query_slot=sample_slot)
         return self._dispatch(inputs, list(requests), "decode", len(requests))
 
     def prefill(self, chunks, num_tokens: int | None = None, rows: int | None = None) -> StepHandle:
@@ -143,6 +170,7 @@ class ModelRunner:
         cu_q_lens = np.full(rows + 1, total, np.int32)
         kv_lens, last_token = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         sample_slot = np.full(rows, self.sink_slot, np.int32)
+        query_slot = np.full(num_tokens, self.sink_slot, np.int32)
         offset, sampled = 0, []
         for i, c in enumerate(chunks):
             r, n = c.request, c.num_tokens
@@ -152,6 +180,7 @@ class ModelRunner:
             positions[offset:offset + n] = np.arange(c.start, c.start + n)
             slots[offset:offset + n] = [self._slot(r, j) for j in range(c.start, c.start + n)]
             cu_q_lens[i] = offset
+            query_slot[max(offset, offset + n - self.window):offset + n] = r.token_slot  # one writer per ring slot
             offset += n
             kv_lens[i], last_token[i] = c.start + n, offset - 1
             if c.samples:
@@ -162,8 +191,31 @@ class ModelRunner:
                            logits_indices=last_token, cu_q_lens=cu_q_lens)
         inputs = dict(batch=batch, sampling=self._sampling(rows, sampled),
                       from_buffer=np.zeros(num_tokens, bool), buffer_slot=np.full(num_tokens, self.sink_slot, np.int32),
-                      sample_slot=sample_slot)
+                      sample_slot=sample_slot, query_slot=query_slot)
         return self._dispatch(inputs, sampled, "prefill", total)
+
+    def compress(self, compressions):
+        """Dispatch the compaction of the due requests, grouped by budget M (the width of the target tables)."""
+        by_budget = {}
+        for c in compressions:
+            by_budget.setdefault(len(c.dst_pages), []).append(c)
+        for budget, group in by_budget.items():
+            self._compress_group(group, budget, pick_bucket(self.decode_sizes, len(group)))
+
+    def _compress_group(self, group, budget: int, rows: int):
+        src = np.zeros((rows, self.pages_per_seq), np.int32)
+        dst = np.zeros((rows, budget), np.int32)
+        num_src, query_slots, logical = (np.zeros(rows, np.int32) for _ in range(3))
+        before, valid = np.zeros(rows, bool), np.zeros(rows, bool)
+        for i, c in enumerate(group):
+            src[i, :len(c.src_pages)] = c.src_pages
+            dst[i] = c.dst_pages
+            num_src[i], query_slots[i], logical[i] = len(c.src_pages), c.request.token_slot, c.logical_len
+            before[i], valid[i] = c.compressed_before, True
+        plan = CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
+                               logical_lens=logical, compressed_before=before, valid=valid)
+        self.k_pool, self.v_pool, self.score_cache = self._compress(
+            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jax.tree.map(jnp.asarray, plan))
 
     # -- warm-up -------------------------------------------------------------------------------------------
     def warmup(self):
@@ -174,4 +226,7 @@ class ModelRunner:
             for rows in self.prefill_row_sizes:
                 if rows <= num_tokens:
                     self.prefill([], num_tokens, rows)
+        if self.compression:
+            for rows in self.decode_sizes:
+                self._compress_group([], self.config.kv_budget_blocks, rows)
         jax.block_until_ready(self.token_buffer)

@@ -2,6 +2,9 @@
 
 Admission is FIFO. When pages run out, the most recently admitted running request is preempted (its pages are
 freed and it is recomputed later from its known tokens); no new request is admitted in a step that preempted.
+With compression on, a request that holds at least ``M+1`` full pages and needs another is compressed first:
+it keeps ``M`` pages of selected slots plus a recent page, so after its first compression it never holds more
+than ``M+1`` pages.
 """
 
 import collections
@@ -24,10 +27,20 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass
+class Compression:
+    request: Request
+    src_pages: list[int]  # live pages read, in order (all full)
+    dst_pages: list[int]  # pages receiving the kept slots
+    logical_len: int  # window queries are positions logical_len - W .. logical_len - 1
+    compressed_before: bool
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     decodes: list[Request]
     prefills: list[PrefillChunk]
     preempted: list[Request]
+    compressions: list[Compression] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -36,8 +49,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_prefill_seqs: int):
+                 max_num_prefill_seqs: int, compression: bool = False, kv_budget_blocks: int = 8):
         self.block_manager = block_manager
+        self.compression = compression
+        self.kv_budget_blocks = kv_budget_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
@@ -64,6 +79,8 @@ class Scheduler:
                 i += 1  # waiting for its last token to come back, or no prefill row left this step
                 continue
             num_new = 1 if todo == 1 else min(todo, budget)
+            if todo == 1 and self._due_for_compression(request) and not self._compress_or_preempt(request, out):
+                continue  # the request preempted itself
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request preempted itself; running[i] is now the next one
             if todo == 1:
@@ -77,13 +94,37 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Preempt one request not yet scheduled this step; uncompressed ones first (recompute is exact for them)."""
+        scheduled = {id(r) for r in out.decodes} | {id(c.request) for c in out.prefills}
+        candidates = [r for r in reversed(self.running) if id(r) not in scheduled]
+        victim = next((r for r in candidates if not r.compressed), candidates[0])
+        self.preempt(victim)
+        out.preempted.append(victim)
+        return victim is not request
+
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate(request, num_new):
-            victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim)
-            if victim is request:
+            if not self._preempt_for(request, out):
                 return False
+        return True
+
+    def _due_for_compression(self, request: Request) -> bool:
+        """All pages full, at least M+1 of them, and the next token needs a new one."""
+        pages = len(request.block_ids)
+        return (self.compression and pages >= request.kv_budget(self.kv_budget_blocks) + 1
+                and request.num_physical_tokens == pages * self.block_manager.block_size)
+
+    def _compress_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
+        budget = request.kv_budget(self.kv_budget_blocks)
+        while (plan := self.block_manager.plan_compression(request, budget)) is None:
+            if not self._preempt_for(request, out):
+                return False
+        src, dst = plan
+        out.compressions.append(Compression(request, src, dst, request.num_computed_tokens, request.compressed))
+        request.num_evicted += request.num_physical_tokens - budget * self.block_manager.block_size
+        request.num_compressions += 1
+        request.note_blocks()
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int):
@@ -111,6 +152,7 @@ class Scheduler:
     def _release_pages(self, request: Request):
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_evicted = 0
 
     def _release_slot(self, request: Request):
         if request.token_slot is not None:

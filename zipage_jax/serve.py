@@ -54,6 +54,20 @@ ENGINE_OPTIONS = {
     "tensor_parallel_size": (int, "devices to shard the model across"),
     "attention_backend": (str, "attention implementation: auto, reference, mosaic or triton"),
     "compilation_cache_dir": (str, "persistent XLA compilation cache directory"),
+    "compression": (bool, "Compressed PagedAttention: bound each request's KV by evicting tokens inside pages"),
+    "kv_budget_blocks": (int, "KV budget M in pages per request (it holds at most M+1 after compressing)"),
+    "eviction_policy": (str, "which tokens to keep: zipage (attention scores) or window (most recent)"),
+    "window": (int, "recent queries that score tokens; those slots are never evicted"),
+    "sink_tokens": (int, "first tokens never evicted"),
+    "global_score": (bool, "combine scores with their decayed history (score cache)"),
+    "decay": (float, "decay of the score history"),
+    "pooling": (bool, "max-pool scores along slots"),
+    "pooling_width": (int, "max-pooling width (odd)"),
+    "pooling_first_only": (bool, "pool only at a request's first compression"),
+    "redundancy": (str, "key-redundancy penalty: off, lightning (within a page) or full"),
+    "redundancy_weight": (float, "weight of the redundancy penalty (1 - lambda)"),
+    "similarity_threshold": (float, "cosine similarity above which keys count as duplicates"),
+    "redundancy_temperature": (float, "softmax temperature of the redundancy penalty"),
 }
 
 

@@ -67,23 +67,25 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
 
 
-def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float) -> jax.Array:
-    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal, GQA by grouping query heads, softmax in f32."""
+def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, mask=None) -> jax.Array:
+    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal (or `mask` [T,T]), GQA by grouping query heads, f32 softmax."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool)) if mask is None else mask
     scores = jnp.where(causal, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None,
+                  attention_mask: jax.Array | None = None) -> jax.Array:
     """Causal forward over whole sequences without a cache: tokens [B,T] -> logits [B,T,V] float32.
 
     Differentiable and jit-friendly (`cfg` must be static). `positions` [B,T] or [T] defaults to 0..T-1.
+    `attention_mask` [T,T] (query, key) replaces the causal mask, e.g. to express which tokens an eviction kept.
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
@@ -95,7 +97,7 @@ def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions
 
     def layer_step(x, layer: LayerParams):
         q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
-        attn = _dense_causal_attention(q, k, v, sm_scale)
+        attn = _dense_causal_attention(q, k, v, sm_scale, attention_mask)
         x = x + attn.reshape(*x.shape[:-1], cfg.q_size) @ layer.o_proj
         return x + _mlp(layer, cfg, x), None
 

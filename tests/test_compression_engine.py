@@ -1,0 +1,126 @@
+"""Compressed PagedAttention through the whole engine (CPU, reference attention, tiny random checkpoints)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zipage_jax import LLM, SamplingParams
+from zipage_jax.models import forward_dense
+
+MODEL = "tests/fixtures/hf/qwen3_untied"  # GQA 8 q / 2 kv heads
+PAGE = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+
+
+def make_llm(**kwargs):
+    opts = dict(block_size=PAGE, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+                compilation_cache_dir=None)
+    opts.update(kwargs)
+    return LLM(MODEL, **opts)
+
+
+def random_prompt(rng, n):
+    return rng.integers(3, 250, size=n).tolist()
+
+
+def window_policy_mask(total, prompt_len, budget, sinks):
+    """Which keys each query sees under recent-window eviction: the exact oracle of the engine's mechanics.
+
+    Before a request's first compression every earlier token is visible. A compression at logical length c (a
+    multiple of the page size) keeps the sinks and the most recent ``budget * PAGE - sinks`` tokens, so a query at
+    position q >= first compression sees those plus the tokens since c = PAGE * floor(q / PAGE).
+    """
+    first = max(budget + 1, -(-prompt_len // PAGE)) * PAGE
+    q = np.arange(total)[:, None]
+    k = np.arange(total)[None, :]
+    start = (q // PAGE) * PAGE - (budget * PAGE - sinks)
+    visible = (q < first) | (k < sinks) | (k >= start)
+    return jnp.asarray((k <= q) & visible)
+
+
+def masked_greedy(llm, prompt, steps, budget, sinks):
+    engine = llm.engine
+    ids = list(prompt)
+    for _ in range(steps):
+        mask = window_policy_mask(len(ids), len(prompt), budget, sinks)
+        logits = forward_dense(engine.params, engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("prompt_len,sinks", [(9, 0), (70, 4)])
+def test_window_policy_equals_masked_dense_attention(prompt_len, sinks):
+    """Eviction, compaction, recent-page refill and RoPE positions checked against a dense masked forward."""
+    rng = np.random.default_rng()
+    budget = 3
+    llm = make_llm(compression=True, kv_budget_blocks=budget, eviction_policy="window", sink_tokens=sinks)
+    prompt = random_prompt(rng, prompt_len)
+    params = dataclasses.replace(GREEDY, max_tokens=110)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.metrics["num_compressions"] >= 3
+    assert out.outputs[0].token_ids == masked_greedy(llm, prompt, params.max_tokens, budget, sinks)
+
+
+def test_budget_above_length_equals_full_kv():
+    rng = np.random.default_rng()
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(5, 40, size=4)]
+    full = make_llm().generate(prompts, GREEDY, use_tqdm=False)
+    compressed_llm = make_llm(compression=True, kv_budget_blocks=8)  # 8 pages = 128 tokens > 40 + 70
+    compressed = compressed_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in compressed] == [o.outputs[0].token_ids for o in full]
+    assert compressed_llm.metrics()["num_compressions"] == 0
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(),  # defaults: global score, first-compression pooling, lightning redundancy
+    dict(redundancy="full", pooling_first_only=False, sink_tokens=2),
+    dict(global_score=False, pooling=False, redundancy="off"),
+])
+def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
+    """Every step: compressed requests hold <= M+1 pages, page accounting is exact, shared pages are untouched."""
+    rng = np.random.default_rng()
+    budget = 2
+    llm = make_llm(compression=True, kv_budget_blocks=budget, **knobs)
+    engine = llm.engine
+    prefix = random_prompt(rng, 2 * PAGE + 3)
+    warm = llm.generate([prefix], dataclasses.replace(GREEDY, max_tokens=1), use_tqdm=False)
+    assert warm[0].outputs[0].token_ids
+    shared = [engine.block_manager.hash_to_page[h] for h in list(engine.block_manager.hash_to_page)[:2]]
+    before = np.asarray(engine.runner.k_pool[:, shared]), np.asarray(engine.runner.v_pool[:, shared])
+    # the holder keeps a reference to the shared pages while the others compress (and copy them on write)
+    engine.add_request("holder", prefix + random_prompt(rng, 4), dataclasses.replace(GREEDY, kv_budget_blocks=8))
+    for i in range(4):
+        engine.add_request(f"r{i}", prefix + random_prompt(rng, 5 + i), GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        live = engine.scheduler.running + list(engine.scheduler.waiting)
+        engine.block_manager.check_invariants(live)
+        for r in engine.scheduler.running:
+            if r.compressed:
+                assert len(r.block_ids) <= budget + 1
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in finished.values())
+    assert all(o.metrics["num_cached_tokens"] == 2 * PAGE for o in finished.values())
+    compressed = [finished[f"r{i}"].metrics for i in range(4)]
+    assert all(m["num_compressions"] >= 3 for m in compressed)
+    assert all(m["peak_kv_blocks_after_compression"] <= budget + 1 for m in compressed)
+    np.testing.assert_array_equal(np.asarray(engine.runner.k_pool[:, shared]), before[0])
+    np.testing.assert_array_equal(np.asarray(engine.runner.v_pool[:, shared]), before[1])
+    assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_per_request_budget_and_invalid_knobs():
+    rng = np.random.default_rng()
+    llm = make_llm(compression=True, kv_budget_blocks=4)
+    tight = dataclasses.replace(GREEDY, kv_budget_blocks=2)
+    outs = llm.generate([random_prompt(rng, 10)] * 2, [GREEDY, tight], use_tqdm=False)
+    assert outs[0].metrics["peak_kv_blocks_after_compression"] <= 5
+    assert outs[1].metrics["peak_kv_blocks_after_compression"] <= 3
+    assert outs[1].metrics["num_compressions"] > outs[0].metrics["num_compressions"]
+    for bad in (dict(window=0), dict(window=PAGE * 2), dict(eviction_policy="lru"), dict(redundancy="some"),
+                dict(decay=1.5), dict(pooling_width=4), dict(sink_tokens=PAGE * 8)):
+        field = next(iter(bad))
+        with pytest.raises(ValueError, match=field):
+            make_llm(compression=True, kv_budget_blocks=4, **bad)

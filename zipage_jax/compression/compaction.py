@@ -1,0 +1,27 @@
+"""Stable compaction of kept slots into destination pages (K, V and the score cache alike).
+
+Slot ``i`` of a request's slot axis lives at ``(table[i // S], i % S)``. The kept slots are gathered
+completely before anything is scattered, so source and destination pages may overlap (in-place compaction
+into the request's own first pages).
+"""
+
+import jax.numpy as jnp
+
+
+def gather_slots(cache, layer, slots, tables):
+    """Values of ``cache [L, pages, Hkv, S, ...]`` at per-head slots ``slots [B, Hkv, K]`` of ``tables [B, P]``."""
+    page_size = cache.shape[3]
+    rows = jnp.arange(slots.shape[0])[:, None, None]
+    heads = jnp.arange(slots.shape[1])[None, :, None]
+    return cache[layer, tables[rows, slots // page_size], heads, slots % page_size]  # [B, Hkv, K, ...]
+
+
+def scatter_slots(cache, layer, values, dst_tables, valid):
+    """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``; rows not ``valid`` write nothing."""
+    num_pages, page_size = cache.shape[1], cache.shape[3]
+    slots = jnp.arange(values.shape[2])
+    pages = jnp.where(valid[:, None], dst_tables[:, slots // page_size], num_pages)  # out of range: dropped
+    heads = jnp.arange(values.shape[1])[None, :, None]
+    return cache.at[layer, pages[:, None, :], heads, (slots % page_size)[None, None, :]].set(
+        values.astype(cache.dtype), mode="drop"
+    )

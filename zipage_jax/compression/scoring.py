@@ -1,0 +1,178 @@
+"""Per-slot eviction scores of Compressed PagedAttention (DESIGN §3.4) for one layer of a batch of requests.
+
+Every function works on a layer's already-gathered request data: keys ``[B, Hkv, N, D]`` over ``N = P * S``
+physical slots, of which the first ``num_live = num_src_pages * S`` are live (the rest is table padding).
+Scores are f32; whatever the knobs, the last ``window`` live slots and the first ``sink_tokens`` are
+protected (+inf) and everything outside the live range, or in a padding row, is -inf.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+POLICIES = ("zipage", "window")
+REDUNDANCY_MODES = ("off", "lightning", "full")
+NORM_FLOOR = 1e-6  # key norms are clamped here before the cosine similarity
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringConfig:
+    """Static scoring knobs (hashable: a jit static argument). Values are validated by the engine config."""
+
+    window: int = 16
+    sink_tokens: int = 0
+    policy: str = "zipage"
+    global_score: bool = True
+    decay: float = 0.8
+    pooling: bool = True
+    pooling_width: int = 5
+    pooling_first_only: bool = True
+    redundancy: str = "lightning"
+    redundancy_weight: float = 0.8
+    similarity_threshold: float = 0.5
+    redundancy_temperature: float = 0.4
+
+    @property
+    def tracks_history(self) -> bool:
+        """Whether the score cache is read (decayed history) and written (kept slots' scores)."""
+        return self.policy == "zipage" and self.global_score
+
+
+def _live_mask(num_live, num_slots):
+    return jnp.arange(num_slots)[None, :] < num_live[:, None]  # [B, N]
+
+
+def _masked_softmax(logits, mask):
+    """Softmax over the last axis restricted to ``mask``; rows with no live entry give zeros."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(denom > 0, denom, 1.0)
+
+
+def window_attention(keys, queries, num_live, sm_scale):
+    """A ``[B, Hkv, N]``: mean over the W window queries of the max over each GQA group of their softmax.
+
+    ``queries [B, W, Hq, D]`` are the post-RoPE queries of the last W live slots in order; window query ``w``
+    sits at physical slot ``num_live - W + w`` and sees the slots up to it (softmax in f32 over those).
+    Loops over the W queries so the scratch is one query's logits ``[B, Hq, N]`` f32, not W of them.
+    """
+    batch, num_kv_heads, num_slots, head_dim = keys.shape
+    window, num_q_heads = queries.shape[1], queries.shape[2]
+    group = num_q_heads // num_kv_heads
+    slots = jnp.arange(num_slots)
+
+    def one_query(w, total):
+        q = jax.lax.dynamic_index_in_dim(queries, w, axis=1, keepdims=False)
+        q = q.reshape(batch, num_kv_heads, group, head_dim)
+        logits = jnp.einsum("bhgd,bhnd->bhgn", q, keys, preferred_element_type=jnp.float32) * sm_scale
+        visible = slots[None, :] <= (num_live - window + w)[:, None]  # [B, N]; always inside the live range
+        probs = _masked_softmax(logits, visible[:, None, None, :])
+        return total + jnp.max(probs, axis=2)
+
+    total = jax.lax.fori_loop(0, window, one_query, jnp.zeros((batch, num_kv_heads, num_slots), jnp.float32))
+    return total / window
+
+
+def global_scores(attention, history, has_history, decay):
+    """G = max(A, decay * G_old) where the slot has history (``has_history [B, N]``), else A."""
+    return jnp.where(has_history[:, None, :], jnp.maximum(attention, history), attention)
+
+
+def max_pool(scores, num_live, width):
+    """Max over ``width`` neighbouring slots ('same' alignment), never reaching outside the live range."""
+    live = _live_mask(num_live, scores.shape[-1])[:, None, :]
+    padded = jnp.where(live, scores, -jnp.inf)
+    left, right = (width - 1) // 2, width // 2
+    pooled = jax.lax.reduce_window(
+        padded, -jnp.inf, jax.lax.max, (1, 1, width), (1, 1, 1), ((0, 0), (0, 0), (left, right))
+    )
+    return jnp.where(live, pooled, scores)
+
+
+def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
+    """R ``[B, Hkv, N]``: R-KV style key redundancy, a softmax over the live slots.
+
+    Cosine similarity s(m, n) of the keys over a candidate set U (the slot's own page for "lightning", all
+    live slots for "full"), diagonal 0; for each column n the latest row m with s(m, n) > threshold is
+    zeroed (a key's most recent near-duplicate gets no credit from it); row sums r over U; then
+    ``softmax(r / (temperature * |U|))``. Loops over column pages, so the similarity scratch is
+    ``[B, Hkv, S, S]`` (lightning) or ``[B, Hkv, N, S]`` (full) f32 per step.
+    """
+    batch, num_kv_heads, num_slots, _ = keys.shape
+    full = cfg.redundancy == "full"
+    slots = jnp.arange(num_slots)
+    live = _live_mask(num_live, num_slots)
+    norms = jnp.sqrt(jnp.sum(jnp.square(keys.astype(jnp.float32)), axis=-1))
+    inv_norms = 1.0 / jnp.maximum(norms, NORM_FLOOR)  # [B, Hkv, N]
+
+    def page_slice(x, start, axis):
+        return jax.lax.dynamic_slice_in_dim(x, start, page_size, axis=axis)
+
+    def column_page(page, raw):
+        start = page * page_size
+        cols, inv_cols = page_slice(keys, start, 2), page_slice(inv_norms, start, 2)
+        col_ids, live_cols = start + jnp.arange(page_size), page_slice(live, start, 1)
+        if full:
+            rows, inv_rows, row_ids, live_rows = keys, inv_norms, slots, live
+        else:
+            rows, inv_rows, row_ids, live_rows = cols, inv_cols, col_ids, live_cols
+        sim = jnp.einsum("bhmd,bhnd->bhmn", rows, cols, preferred_element_type=jnp.float32)
+        sim = sim * inv_rows[..., :, None] * inv_cols[..., None, :]
+        pair = live_rows[:, None, :, None] & live_cols[:, None, None, :] & (row_ids[:, None] != col_ids[None, :])
+        sim = jnp.where(pair, sim, 0.0)
+        latest = jnp.max(jnp.where(pair & (sim > cfg.similarity_threshold), row_ids[:, None], -1), axis=2)
+        sim = jnp.where(row_ids[:, None] == latest[:, :, None, :], 0.0, sim)
+        row_sums = jnp.sum(sim, axis=-1)
+        if full:
+            return raw + row_sums
+        return jax.lax.dynamic_update_slice_in_dim(raw, row_sums, start, axis=2)
+
+    raw = jax.lax.fori_loop(0, num_slots // page_size, column_page,
+                            jnp.zeros((batch, num_kv_heads, num_slots), jnp.float32))
+    candidates = num_live if full else jnp.full_like(num_live, page_size)
+    temperature = cfg.redundancy_temperature * jnp.maximum(candidates, 1).astype(jnp.float32)
+    return _masked_softmax(raw / temperature[:, None, None], live[:, None, :])
+
+
+def zipage_scores(keys, queries, history, num_src_pages, compressed_before, page_size, cfg, sm_scale):
+    """``(score, G)``, each ``[B, Hkv, N]``, of the "zipage" policy before protection.
+
+    ``history [B, Hkv, N]`` is the score cache at the request's slots, used only where it is meaningful:
+    the request was compressed before and the slot is not in its last, fresh page. G is the global score
+    (before pooling and redundancy): what the score cache keeps for the next compression.
+    """
+    num_slots = keys.shape[2]
+    num_live = num_src_pages * page_size
+    attention = window_attention(keys, queries, num_live, sm_scale)
+    if cfg.global_score:
+        fresh_from = (num_src_pages - 1) * page_size
+        has_history = compressed_before[:, None] & (jnp.arange(num_slots)[None, :] < fresh_from[:, None])
+        attention = global_scores(attention, history, has_history, cfg.decay)
+    score = attention
+    if cfg.pooling:
+        pooled = max_pool(score, num_live, cfg.pooling_width)
+        if cfg.pooling_first_only:
+            pooled = jnp.where(compressed_before[:, None, None], score, pooled)
+        score = pooled
+    if cfg.redundancy != "off":
+        redundancy = redundancy_scores(keys, num_live, page_size, cfg)
+        score = (1.0 - cfg.redundancy_weight) * score - cfg.redundancy_weight * redundancy
+    return score, attention
+
+
+def recency_scores(batch, num_kv_heads, num_slots):
+    """Policy "window": the slot index, so the most recent slots win (the sliding-window baseline)."""
+    return jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.float32), (batch, num_kv_heads, num_slots))
+
+
+def protect(score, num_src_pages, valid, page_size, cfg):
+    """+inf on the last ``window`` live slots and the first ``sink_tokens``; -inf off the live range and on padding rows."""
+    slots = jnp.arange(score.shape[-1])[None, None, :]
+    live_n = (num_src_pages * page_size)[:, None, None]
+    protected = (slots >= live_n - cfg.window) | (slots < cfg.sink_tokens)
+    score = jnp.where(protected, jnp.inf, score)
+    return jnp.where((slots < live_n) & valid[:, None, None], score, -jnp.inf)

@@ -1,0 +1,114 @@
+"""One compression of a batch of requests over all layers: score, select, compact (DESIGN §3.2-3.4).
+
+The caches ride in a ``fori_loop`` carry and each layer is addressed by index, so under donation the
+compaction is in place and the scratch is one layer's worth (see ``compress``).
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import gather_request_kv
+from zipage_jax.compression.compaction import gather_slots, scatter_slots
+from zipage_jax.compression.scoring import (
+    POLICIES, REDUNDANCY_MODES, ScoringConfig, protect, recency_scores, zipage_scores,
+)
+from zipage_jax.compression.selection import select_slots
+
+
+@flax.struct.dataclass
+class CompressionPlan:
+    """What to compress, for ``B`` (bucket-padded) requests; int32 / bool arrays.
+
+    ``src_tables [B, P]``: live pages in order (first ``num_src_pages`` valid, all full).
+    ``dst_tables [B, M]``: pages receiving the ``M * S`` kept slots (own first pages, or copy-on-write pages).
+    ``query_slots [B]``: query-cache row; ``logical_lens [B]``: window queries are positions
+    ``logical_len - W .. logical_len - 1``; ``compressed_before [B]``: has score history;
+    ``valid [B]``: padding rows change nothing.
+    """
+
+    src_tables: jax.Array
+    num_src_pages: jax.Array
+    dst_tables: jax.Array
+    query_slots: jax.Array
+    logical_lens: jax.Array
+    compressed_before: jax.Array
+    valid: jax.Array
+
+
+def _check(k_pool, score_cache, query_cache, plan, cfg):
+    num_layers, _, num_kv_heads, page_size, head_dim = k_pool.shape
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"cfg.policy: must be one of {POLICIES} (got {cfg.policy!r})")
+    if cfg.redundancy not in REDUNDANCY_MODES:
+        raise ValueError(f"cfg.redundancy: must be one of {REDUNDANCY_MODES} (got {cfg.redundancy!r})")
+    if cfg.policy == "zipage":
+        if query_cache.ndim != 5 or query_cache.shape[0] != num_layers or query_cache.shape[2] != cfg.window \
+                or query_cache.shape[3] % num_kv_heads or query_cache.shape[4] != head_dim:
+            raise ValueError(f"query_cache: expected [{num_layers}, C, {cfg.window}, Hq, {head_dim}] with Hq a "
+                             f"multiple of {num_kv_heads} (got {query_cache.shape})")
+    if cfg.tracks_history and score_cache.shape != k_pool.shape[:4]:
+        raise ValueError(f"score_cache: expected {k_pool.shape[:4]} (got {score_cache.shape})")
+    num_slots = plan.src_tables.shape[1] * page_size
+    keep = plan.dst_tables.shape[1] * page_size
+    if not cfg.window + cfg.sink_tokens <= keep < num_slots:
+        raise ValueError(f"plan.dst_tables: keeps {keep} slots; needs window + sink_tokens "
+                         f"({cfg.window + cfg.sink_tokens}) <= kept < {num_slots} source slots")
+
+
+def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale):
+    """Gather one layer's request data from the caches and score it: ``(final, G)``, each ``[B, Hkv, N]``."""
+    batch, num_pages_per_row = plan.src_tables.shape
+    page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
+    if cfg.policy == "window":
+        score = recency_scores(batch, num_kv_heads, num_pages_per_row * page_size)
+        history = jnp.zeros_like(score)
+    else:
+        keys = gather_request_kv(k_pool, layer, plan.src_tables)  # [B, Hkv, N, D]
+        ring = (plan.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
+        queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
+        history = None
+        if cfg.tracks_history:
+            history = gather_request_kv(score_cache[..., None], layer, plan.src_tables)[..., 0]
+        score, history = zipage_scores(keys, queries, history, plan.num_src_pages, plan.compressed_before,
+                                       page_size, cfg, sm_scale)
+    return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
+
+
+def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale):
+    """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
+    _check(k_pool, score_cache, query_cache, plan, cfg)
+    per_layer = jax.lax.map(
+        lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale)[0],
+        jnp.arange(k_pool.shape[0]),
+    )
+    return per_layer.transpose(1, 0, 2, 3)
+
+
+def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cfg: ScoringConfig, sm_scale):
+    """Compress every valid request of ``plan``: per (layer, KV head) keep the top ``M * S`` slots.
+
+    Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
+    The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
+    nor written (it may then be a placeholder of any shape). Jit with ``cfg`` static and the three caches
+    donated. Scratch per layer, f32 = 4 bytes, it = pool itemsize: keys ``B*Hkv*N*D*it``, one window query's
+    logits ``B*Hq*N*4``, a few ``B*Hkv*N*4`` score vectors, redundancy ``B*Hkv*S*S*4`` (lightning) or
+    ``B*Hkv*N*S*4`` (full), and the gathered kept K/V ``2*B*Hkv*M*S*D*it``.
+    """
+    _check(k_pool, score_cache, query_cache, plan, cfg)
+    keep = plan.dst_tables.shape[1] * k_pool.shape[3]
+
+    def layer_step(layer, caches):
+        k_pool, v_pool, score_cache = caches
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale)
+        kept = select_slots(scores, keep)  # [B, Hkv, keep]
+        k_kept = gather_slots(k_pool, layer, kept, plan.src_tables)
+        v_kept = gather_slots(v_pool, layer, kept, plan.src_tables)
+        k_pool = scatter_slots(k_pool, layer, k_kept, plan.dst_tables, plan.valid)
+        v_pool = scatter_slots(v_pool, layer, v_kept, plan.dst_tables, plan.valid)
+        if cfg.tracks_history:
+            kept_history = jnp.take_along_axis(history, kept, axis=2)
+            score_cache = scatter_slots(score_cache, layer, kept_history, plan.dst_tables, plan.valid)
+        return k_pool, v_pool, score_cache
+
+    return jax.lax.fori_loop(0, k_pool.shape[0], layer_step, (k_pool, v_pool, score_cache))
