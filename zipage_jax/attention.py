@@ -1,4 +1,4 @@
-"""One attention interface, several implementations: jnp reference, Mosaic GPU (Hopper), Triton (Ampere).
+"""One attention interface, several implementations: the jnp reference and Mosaic GPU kernels (Hopper).
 
 A backend is a frozen, field-less dataclass, so it is hashable and can be a static argument of the jitted
 steps. All backends share the semantics of ``pallas_kernels.reference``.
@@ -71,7 +71,7 @@ def register_backend(cls):
 
 
 def resolve_backend(name: str = "auto"):
-    """Pick the backend: ``auto`` → Mosaic GPU on Hopper+, Triton on older NVIDIA GPUs, reference elsewhere."""
+    """Pick the backend: ``auto`` → Mosaic GPU kernels on Hopper+, the jnp reference on CPU."""
     if name == "auto":
         name = default_backend_name(jax.devices()[0])
     if name not in BACKENDS:
@@ -86,12 +86,12 @@ def default_backend_name(device) -> str:
         return "reference"
     capability = getattr(device, "compute_capability", "0")
     major = int(str(capability).split(".")[0] or 0)
-    return "mosaic" if major >= 9 else "triton"
+    if major < 9:
+        raise ValueError(f"attention_backend: auto found compute capability {capability}; the Mosaic GPU kernels "
+                         "need Hopper (9.0+); pass attention_backend='reference' on older GPUs")
+    return "mosaic"
 
 
 def _load_kernel_backends():
-    """Import kernel modules lazily: they pull in GPU-only dependencies."""
-    try:
-        import pallas_kernels.backends  # noqa: F401  (registers mosaic / triton)
-    except ImportError:
-        pass
+    """Import kernel modules lazily (registers mosaic / mosaic_decode)."""
+    import pallas_kernels.backends  # noqa: F401

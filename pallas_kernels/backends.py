@@ -1,0 +1,36 @@
+"""Kernel-backed attention backends, registered with ``zipage_jax.attention`` on import (GPU only)."""
+
+import dataclasses
+
+from pallas_kernels import reference
+from pallas_kernels.paged_decode import paged_decode
+from pallas_kernels.ragged_prefill import ragged_prefill
+from zipage_jax.attention import ReferenceBackend, register_backend
+
+
+@register_backend
+@dataclasses.dataclass(frozen=True)
+class MosaicBackend:
+    """Hopper: Mosaic GPU paged decode and ragged prefill kernels; KV write as an in-place XLA scatter."""
+
+    name = "mosaic"
+
+    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
+        return reference.write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v)
+
+    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        return paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        return ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+
+@register_backend
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeBackend(ReferenceBackend):
+    """Hopper: the Mosaic GPU decode kernel with the XLA prefill reference."""
+
+    name = "mosaic_decode"
+
+    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        return paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)

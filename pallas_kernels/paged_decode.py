@@ -1,0 +1,230 @@
+"""Paged decode attention as a Mosaic GPU (Hopper) kernel.
+
+One CTA handles one (request, KV head, KV split). The query heads of the KV head's group are the rows of a
+64-row wgmma tile (rows past the group are zero padding), so both ``q @ k^T`` and ``p @ v`` run on the tensor
+cores while the kernel stays bound by the KV stream (the probabilities go through shared memory, the wgmma
+operand form that interpret mode can also run). KV blocks of ``block_kv`` slots are fetched by TMA
+straight from the pool pages named in the page table, ``num_stages`` blocks in flight. A block spanning
+several small pages is filled by one copy per page; pages past the request's live slots are never read (the
+last live page is loaded again in their place, and masked). Each split writes its normalised partial output
+and log-sum-exp; a small XLA reduce merges the splits (flash-decoding). ``attend_pages`` is the paged flash
+loop, shared with the ragged prefill kernel. Defaults (64-slot blocks, 2 stages) were the fastest of the
+variants measured on an H200.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_ROWS = 64  # wgmma M: one warpgroup's tile of query rows.
+_LOG2E = math.log2(math.e)
+
+
+def swizzled():
+    """The shared-memory tiling wgmma reads bf16 operands from (64-element rows, 128-byte swizzle)."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _check_inputs(q, k_pool, v_pool, kv_lens, page_tables):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool/v_pool must both be [L, pages, Hkv, S, D], got {k_pool.shape}, {v_pool.shape}")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
+    if k_pool.shape[4] != head_dim or head_dim not in (64, 128):
+        raise ValueError(f"head dim must be 64 or 128 and match the pool, got q {head_dim}, pool {k_pool.shape[4]}")
+    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > TILE_ROWS:
+        raise ValueError(f"q heads {num_q_heads} must be a multiple of kv heads {num_kv_heads} (group <= 64)")
+    if page_size % 8 or not 8 <= page_size <= 256:
+        raise ValueError(f"page size must be a multiple of 8 in [8, 256], got {page_size}")
+    if kv_lens.shape != (batch,):
+        raise ValueError(f"kv_lens must be [B]={batch}, got {kv_lens.shape}")
+    if page_tables.ndim != 2 or page_tables.shape[0] != batch:
+        raise ValueError(f"page_tables must be [B, P], got {page_tables.shape}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pool.dtype != q.dtype:
+        raise ValueError(f"q and pools must share a 16-bit float dtype, got {q.dtype}, {k_pool.dtype}")
+
+
+def check_block_kv(block_kv, page_size, num_stages):
+    """A KV block is a 64-multiple that is either a slice of one page or a whole number of pages."""
+    tiles_page = page_size % block_kv == 0 if block_kv <= page_size else block_kv % page_size == 0
+    if block_kv % 64 or not tiles_page:
+        raise ValueError(f"block_kv {block_kv} must be a multiple of 64 that tiles the page size {page_size}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+
+
+def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, kv_head, kv_len, first_block,
+                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size):
+    """Online-softmax attention of the 64-row query tile in ``q_smem`` (its TMA load signals ``q_bar``) over KV
+    blocks ``[first_block, first_block + num_blocks)`` of ``request``'s pages.
+
+    Row ``i`` attends to slots ``<= pos0 + i`` when ``causal``, else to slots ``<= pos0``; ``kv_len`` bounds the
+    pages that are read. Returns the unnormalised f32 accumulator and the row max / row sum (base 2).
+    """
+    head_dim = q_smem.shape[-1]
+    dtype = q_smem.dtype
+    last_live_page = lax.max(kv_len - 1, 0) // page_size
+    pages_per_block = max(block_kv // page_size, 1)
+
+    def issue(step, slot, k_smem, v_smem, k_bar, v_bar):
+        token0 = (first_block + step) * block_kv
+        if block_kv <= page_size:  # The block is a slice of one page.
+            page = page_tables_ref[request, token0 // page_size]
+            rows = pl.ds(token0 % page_size, block_kv)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head, rows], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, page, kv_head, rows], v_smem.at[slot], v_bar.at[slot])
+            return
+        for j in range(pages_per_block):
+            page = page_tables_ref[request, lax.min(token0 // page_size + j, last_live_page)]
+            dst = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, page, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+
+    def attend(k_smem, v_smem, p_smem, k_bar, v_bar):
+        for s in range(num_stages):
+            @pl.when(s < num_blocks)
+            def _prologue():
+                issue(s, s, k_smem, v_smem, k_bar, v_bar)
+
+        plgpu.barrier_wait(q_bar)
+        m_i = plgpu.layout_cast(jnp.full((TILE_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((TILE_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((TILE_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step_fn(step, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, num_stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk_fn(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_fn, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
+            slot_ids = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            limit = pos0 - (first_block + step) * block_kv
+            if causal:
+                limit = limit + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, block_kv), 0,
+                                                       layout=plgpu.Layout.WGMMA)
+            s = jnp.where(slot_ids <= limit, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv_fn(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            pv = pl.run_scoped(pv_fn, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+            @pl.when(step + num_stages < num_blocks)
+            def _refill():
+                issue(step + num_stages, slot, k_smem, v_smem, k_bar, v_bar)
+
+            return acc, m_new, l_i
+
+        return lax.fori_loop(0, num_blocks, step_fn, (acc, m_i, l_i))
+
+    copies = pages_per_block if block_kv > page_size else 1
+    kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled())
+    return pl.run_scoped(
+        attend, kv_buf, kv_buf, plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled()),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+    )
+
+
+def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar,
+                   *, blocks_per_split, group, **tile_params):
+    kv_head = lax.axis_index("h")
+    split = lax.axis_index("s")
+    row = lax.axis_index("b")
+    kv_len = kv_lens_ref[row]
+    head_dim = q_smem.shape[-1]
+    first_block = split * blocks_per_split
+    num_blocks = jnp.clip(pl.cdiv(kv_len, tile_params["block_kv"]) - first_block, 0, blocks_per_split)
+    plgpu.copy_gmem_to_smem(q_ref.at[row, kv_head], q_smem, q_bar)
+    acc, m_i, l_i = attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, row, layer_ref[0], kv_head, kv_len,
+                                 first_block, num_blocks, kv_len - 1, causal=False, **tile_params)
+
+    def store(o_smem, lse_smem):
+        # Empty splits keep l_i == 0: their output is NaN here and dropped by the merge (lse = -inf).
+        o_smem[...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+        lse_smem[...] = m_i + jnp.log2(l_i)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[row, kv_head, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, kv_head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32), plgpu.SMEM((TILE_ROWS,), jnp.float32))
+
+
+def merge_splits(o_parts, lse_parts):
+    """Combine per-split outputs ``[B, Hkv, splits, G, D]`` with their base-2 LSE ``[B, Hkv, splits, G]``."""
+    lse_max = jnp.max(lse_parts, axis=2, keepdims=True)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weights = jnp.where(jnp.isfinite(lse_parts), jnp.exp2(lse_parts - lse_max), 0.0)
+    parts = jnp.where(weights[..., None] > 0, o_parts, 0.0)
+    total = jnp.sum(weights, axis=2)
+    out = jnp.sum(weights[..., None] * parts, axis=2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
+    """Enough splits that the grid fills about two waves of the GPU, never more than there are blocks."""
+    ctas = batch * num_kv_heads
+    return int(max(1, min(max_blocks, -(-2 * num_sms // ctas))))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "interpret"))
+def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
+                 num_splits=None, interpret=False):
+    """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
+    ``paged_decode_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
+    group = num_q_heads // num_kv_heads
+    if block_kv is None:
+        block_kv = 64
+    check_block_kv(block_kv, page_size, num_stages)
+    max_blocks = pl.cdiv(page_tables.shape[1] * page_size, block_kv)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_blocks)
+    if not 1 <= num_splits <= max_blocks:
+        raise ValueError(f"num_splits must be in [1, {max_blocks}], got {num_splits}")
+    blocks_per_split = pl.cdiv(max_blocks, num_splits)
+
+    q_tiles = q.reshape(batch, num_kv_heads, group, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, TILE_ROWS - group), (0, 0)))
+    kernel = functools.partial(
+        _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
+        blocks_per_split=blocks_per_split, group=group, page_size=page_size)
+    o_parts, lse_parts = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),
+                  jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, TILE_ROWS), jnp.float32)),
+        grid=(num_kv_heads, num_splits, batch),
+        grid_names=("h", "s", "b"),
+        scratch_types=(
+            plgpu.SMEM((TILE_ROWS, head_dim), q.dtype, transforms=swizzled()),
+            plgpu.Barrier(),
+        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
+      q_tiles, k_pool, v_pool)
+    out = merge_splits(o_parts, lse_parts[..., :group])
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

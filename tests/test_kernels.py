@@ -1,0 +1,194 @@
+"""Pallas kernels under Mosaic GPU interpret mode (CPU) against the pure-jnp references.
+
+Fresh random inputs each run (the seed is in the failure message); interpret mode fills every buffer it
+allocates (outputs included) with NaN, so a row the kernel never writes fails the comparison.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.paged_decode import merge_splits, paged_decode
+from pallas_kernels.ragged_prefill import query_tiles, ragged_prefill
+from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
+
+INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
+
+
+def random_pool(rng, num_layers, num_pages, num_kv_heads, page_size, head_dim):
+    shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+    return (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+
+
+def random_page_tables(rng, kv_lens, pages_per_row, page_size, num_pages):
+    """Distinct random pages per live slot; unused entries point at the null page 0."""
+    needed = [-(-int(n) // page_size) for n in kv_lens]
+    ids = rng.permutation(np.arange(1, num_pages))[: sum(needed)]
+    tables = np.zeros((len(kv_lens), pages_per_row), np.int32)
+    start = 0
+    for row, n in enumerate(needed):
+        tables[row, :n] = ids[start:start + n]
+        start += n
+    return jnp.asarray(tables)
+
+
+def assert_close(out, ref, seed):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), f"seed {seed}: non-finite output (unwritten rows?)"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
+
+
+DECODE_CASES = [
+    # group, head_dim, page_size, block_kv, num_stages, num_splits, kv_lens
+    (1, 64, 16, 64, 2, 2, [70, 0, 33]),         # a block spans 4 pages; empty padding row; 2 splits
+    (4, 128, 128, 64, 3, 1, [200, 129]),        # a block is half a page
+    (8, 64, 64, 64, 2, 3, [150, 0, 64, 1]),     # one page per block; splits past a row's end are empty
+]
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_stages,num_splits,kv_lens", DECODE_CASES)
+def test_paged_decode_matches_reference(group, head_dim, page_size, block_kv, num_stages, num_splits, kv_lens):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    num_kv_heads, layer = 2, 1
+    pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1  # one spare null entry per row
+    num_pages = len(kv_lens) * pages_per_row + 2
+    k_pool, v_pool = random_pool(rng, 2, num_pages, num_kv_heads, page_size, head_dim)
+    tables = random_page_tables(rng, kv_lens, pages_per_row, page_size, num_pages)
+    q = jnp.asarray(rng.standard_normal((len(kv_lens), num_kv_heads * group, head_dim)), jnp.bfloat16)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    scale = head_dim ** -0.5
+    out = paged_decode(q, k_pool, v_pool, layer, lens, tables, scale, block_kv=block_kv,
+                       num_stages=num_stages, num_splits=num_splits, interpret=INTERPRET)
+    ref = paged_decode_ref(q, k_pool, v_pool, layer, lens, tables, scale)
+    assert_close(out, ref, seed)
+    empty = np.asarray(kv_lens) == 0
+    assert (np.asarray(out, np.float32)[empty] == 0).all()
+
+
+def test_merge_splits_equals_softmax_over_all_slots():
+    rng = np.random.default_rng()
+    scores = rng.standard_normal((2, 3, 12)).astype(np.float32)  # [rows, heads, slots] in log2 units
+    values = rng.standard_normal((2, 3, 12, 5)).astype(np.float32)
+    weights = np.exp2(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("rhk,rhkd->rhd", weights / weights.sum(-1, keepdims=True), values)
+    parts, lses = [], []
+    for chunk in np.split(np.arange(12), 3):
+        s = scores[..., chunk]
+        w = np.exp2(s - s.max(-1, keepdims=True))
+        parts.append(np.einsum("rhk,rhkd->rhd", w / w.sum(-1, keepdims=True), values[..., chunk, :]))
+        lses.append(s.max(-1) + np.log2(w.sum(-1)))
+    parts.append(np.full_like(parts[0], np.nan))  # an empty split: NaN output, -inf lse
+    lses.append(np.full_like(lses[0], -np.inf))
+    out = merge_splits(jnp.asarray(np.stack(parts, 1)[:, None]), jnp.asarray(np.stack(lses, 1)[:, None]))
+    np.testing.assert_allclose(np.asarray(out)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "group", "kv_lens", "block_kv"])
+def test_paged_decode_rejects_bad_input(bad):
+    rng = np.random.default_rng()
+    k_pool, v_pool = random_pool(rng, 1, 4, 2, 16, 64)
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    lens = jnp.asarray([3, 5], jnp.int32)
+    tables = jnp.ones((2, 2), jnp.int32)
+    kwargs = {}
+    if bad == "head_dim":
+        q = jnp.zeros((2, 4, 32), jnp.bfloat16)
+    elif bad == "group":
+        q = jnp.zeros((2, 3, 64), jnp.bfloat16)
+    elif bad == "kv_lens":
+        lens = jnp.asarray([3], jnp.int32)
+    else:
+        kwargs["block_kv"] = 48
+    with pytest.raises(ValueError, match=bad.split("_")[0]):
+        paged_decode(q, k_pool, v_pool, 0, lens, tables, 0.1, interpret=INTERPRET, **kwargs)
+
+
+PREFILL_CASES = [
+    # group, head_dim, page_size, q_lens, kv_lens, padding rows
+    (4, 64, 16, [70, 0, 5], [90, 3, 5], 5),     # a 2-tile chunk behind a prefix; idle request; chunk at row 70
+    (1, 128, 64, [3, 64], [130, 64], 0),        # chunk on a long cached prefix; 64-row chunk at row 3 (2 tiles)
+    (8, 64, 128, [40, 1], [40, 200], 3),        # no prefix; single-token chunk (decode-like) at position 199
+]
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,q_lens,kv_lens,padding", PREFILL_CASES)
+def test_ragged_prefill_matches_reference(group, head_dim, page_size, q_lens, kv_lens, padding):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    num_kv_heads, layer = 1, 0
+    pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
+    num_pages = len(kv_lens) * pages_per_row + 2
+    k_pool, v_pool = random_pool(rng, 2, num_pages, num_kv_heads, page_size, head_dim)
+    tables = random_page_tables(rng, kv_lens, pages_per_row, page_size, num_pages)
+    num_tokens = sum(q_lens) + padding
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    scale = head_dim ** -0.5
+    out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, interpret=INTERPRET)
+    ref = ragged_prefill_ref(q, k_pool, v_pool, layer, cu, lens, tables, scale)
+    assert_close(out, ref, seed)
+    assert (np.asarray(out, np.float32)[sum(q_lens):] == 0).all()
+
+
+def test_query_tiles_cover_every_row_once_from_aligned_starts():
+    q_lens = np.array([70, 0, 5, 128, 1, 63])
+    cu_np = np.concatenate([[0], np.cumsum(q_lens)])
+    tile_request, tile_row0, _ = map(np.asarray, query_tiles(jnp.asarray(cu_np, jnp.int32), int(q_lens.sum()) + 7))
+    covered = []
+    for r, row0 in zip(tile_request, tile_row0):
+        shift = cu_np[r] % 8
+        if row0 < q_lens[r] + shift:  # a used tile starts on an 8-aligned packed row
+            assert (cu_np[r] - shift + row0) % 8 == 0
+        covered += [(r, row - shift) for row in range(row0, row0 + 64) if 0 <= row - shift < q_lens[r]]
+    assert sorted(covered) == [(r, row) for r in range(len(q_lens)) for row in range(q_lens[r])]
+
+
+@pytest.mark.parametrize("bad", ["cu_q_lens", "page_tables", "head dim"])
+def test_ragged_prefill_rejects_bad_input(bad):
+    rng = np.random.default_rng()
+    k_pool, v_pool = random_pool(rng, 1, 4, 1, 16, 64)
+    q = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    cu, lens, tables = jnp.asarray([0, 3, 8], jnp.int32), jnp.asarray([3, 5], jnp.int32), jnp.ones((2, 2), jnp.int32)
+    if bad == "cu_q_lens":
+        cu = jnp.asarray([0, 8], jnp.int32)
+    elif bad == "page_tables":
+        tables = jnp.ones((3, 2), jnp.int32)
+    else:
+        q = jnp.zeros((8, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=bad):
+        ragged_prefill(q, k_pool, v_pool, 0, cu, lens, tables, 0.1, interpret=INTERPRET)
+
+
+LOWERING_CASES = [
+    # kernel, group, head_dim, page_size, block_kv
+    ("decode", 4, 128, 16, 128),
+    ("decode", 8, 64, 256, 64),
+    ("decode", 1, 64, 64, 64),
+    ("prefill", 4, 128, 128, 64),
+    ("prefill", 1, 64, 32, 128),
+]
+
+
+@pytest.mark.parametrize("kernel,group,head_dim,page_size,block_kv", LOWERING_CASES)
+def test_kernels_lower_for_hopper(kernel, group, head_dim, page_size, block_kv):
+    """Mosaic GPU layout inference runs at lowering, so layout errors show up on CPU without a GPU."""
+    pool = jax.ShapeDtypeStruct((2, 33, 2, page_size, head_dim), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    if kernel == "decode":
+        fn = functools.partial(paged_decode, layer=1, sm_scale=0.1, block_kv=block_kv)
+        args = (jax.ShapeDtypeStruct((4, 2 * group, head_dim), jnp.bfloat16), pool, pool)
+        kwargs = dict(kv_lens=i32(4), page_tables=i32(4, 8))
+    else:
+        fn = functools.partial(ragged_prefill, layer=1, sm_scale=0.1, block_kv=block_kv)
+        args = (jax.ShapeDtypeStruct((100, 2 * group, head_dim), jnp.bfloat16), pool, pool)
+        kwargs = dict(cu_q_lens=i32(3), kv_lens=i32(2), page_tables=i32(2, 8))
+    lowered = jax.jit(lambda *a, **kw: fn(*a, **kw)).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
