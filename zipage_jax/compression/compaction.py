@@ -17,7 +17,10 @@ def gather_slots(cache, layer, slots, tables):
 
 
 def scatter_slots(cache, layer, values, dst_tables, valid):
-    """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``; rows not ``valid`` write nothing."""
+    """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``.
+
+    Rows not ``valid`` write nothing at all (not even to the null page).
+    """
     num_pages, page_size = cache.shape[1], cache.shape[3]
     slots = jnp.arange(values.shape[2])
     pages = jnp.where(valid[:, None], dst_tables[:, slots // page_size], num_pages)  # out of range: dropped

@@ -79,7 +79,7 @@ def window_attention(keys, queries, num_live, sm_scale):
 
 def global_scores(attention, history, has_history, decay):
     """G = max(A, decay * G_old) where the slot has history (``has_history [B, N]``), else A."""
-    return jnp.where(has_history[:, None, :], jnp.maximum(attention, history), attention)
+    return jnp.where(has_history[:, None, :], jnp.maximum(attention, decay * history), attention)
 
 
 def max_pool(scores, num_live, width):
@@ -170,7 +170,7 @@ def recency_scores(batch, num_kv_heads, num_slots):
 
 
 def protect(score, num_src_pages, valid, page_size, cfg):
-    """+inf on the last ``window`` live slots and the first ``sink_tokens``; -inf off the live range and on padding rows."""
+    """+inf on the last ``window`` live slots and the first ``sink_tokens``; -inf off the live range / padding rows."""
     slots = jnp.arange(score.shape[-1])[None, None, :]
     live_n = (num_src_pages * page_size)[:, None, None]
     protected = (slots >= live_n - cfg.window) | (slots < cfg.sink_tokens)

@@ -69,7 +69,7 @@ def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale):
         queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
         history = None
         if cfg.tracks_history:
-            history = gather_request_kv(score_cache[..., None], layer, plan.src_tables)[..., 0]
+            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(keys.shape[:3])
         score, history = zipage_scores(keys, queries, history, plan.num_src_pages, plan.compressed_before,
                                        page_size, cfg, sm_scale)
     return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
@@ -91,9 +91,12 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` static and the three caches
-    donated. Scratch per layer, f32 = 4 bytes, it = pool itemsize: keys ``B*Hkv*N*D*it``, one window query's
-    logits ``B*Hq*N*4``, a few ``B*Hkv*N*4`` score vectors, redundancy ``B*Hkv*S*S*4`` (lightning) or
-    ``B*Hkv*N*S*4`` (full), and the gathered kept K/V ``2*B*Hkv*M*S*D*it``.
+    donated. Every valid row must have ``num_src_pages >= M + 1`` full pages.
+
+    Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): the request keys
+    ``B*Hkv*N*D*it`` with one window query's logits ``B*Hq*N*4`` and a few ``B*Hkv*N*4`` score vectors;
+    redundancy adds ``B*Hkv*S*S*4`` (lightning) or ``B*Hkv*N*S*4`` (full) per column page; then the kept K
+    and V ``2*B*Hkv*M*S*D*it``. Nothing scales with ``W * Hq * N``.
     """
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]

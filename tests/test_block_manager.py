@@ -1,0 +1,161 @@
+"""Property tests of the host page pool against a simple model of the prefix cache.
+
+The model keeps, per published page, the exact token prefix it was published under, and drops it when the
+page is handed out again. Every operation is followed by the pool's own invariant check.
+"""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from zipage_jax.block_manager import NULL_PAGE, BlockManager
+from zipage_jax.request import Request
+from zipage_jax.sampling import SamplingParams
+
+BLOCK = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+class PrefixModel:
+    """Independent bookkeeping: which exact token prefix each page serves, and the hit counters."""
+
+    def __init__(self):
+        self.published: dict[tuple, int] = {}  # full-page token prefix -> page
+        self.considered: dict[str, int] = {}  # request id -> leading pages already offered for publishing
+        self.queries = 0
+        self.hits = 0
+
+    def expected_hits(self, tokens) -> list[int]:
+        pages = []
+        for i in range((len(tokens) - 1) // BLOCK):
+            page = self.published.get(tuple(tokens[:(i + 1) * BLOCK]))
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def reuse(self, page: int):
+        self.published = {k: p for k, p in self.published.items() if p != page}
+
+    def publish(self, request):
+        full = min(request.num_computed_tokens, request.num_tokens) // BLOCK
+        for i in range(self.considered[request.request_id], full):
+            prefix = tuple(request.all_token_ids[:(i + 1) * BLOCK])
+            page = request.block_ids[i]
+            if prefix not in self.published and page not in self.published.values():
+                self.published[prefix] = page
+        self.considered[request.request_id] = max(full, self.considered[request.request_id])
+
+
+prefixes = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), prefixes),  # (op, shared prefix id, own suffix)
+    st.tuples(st.just("advance"), st.integers(0, 50), st.integers(1, 9)),  # (op, which live request, tokens)
+    st.tuples(st.just("free"), st.integers(0, 50), st.just(None)),
+    st.tuples(st.just("readmit"), st.integers(0, 50), st.just(None)),  # preemption: free, then match again
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(4, 14), shared=st.lists(prefixes, min_size=4, max_size=4),
+       ops=st.lists(operation, min_size=1, max_size=60), sampled=st.lists(st.integers(0, 2), min_size=64,
+                                                                          max_size=64))
+def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled):
+    bm = BlockManager(num_pages, BLOCK)
+    model = PrefixModel()
+    live: list[Request] = []
+    next_id = 0
+
+    def match(request):
+        want = model.expected_hits(request.all_token_ids)
+        got = bm.match_prefix(request)
+        assert got == len(want) * BLOCK and request.block_ids == want
+        assert request.num_computed_tokens == got
+        model.considered[request.request_id] = len(want)
+        model.queries += len(request.prompt_token_ids)
+        model.hits += min(got, len(request.prompt_token_ids))
+
+    for op, a, b in ops:
+        if op == "add":
+            prompt = shared[a] + b
+            if not prompt:
+                continue
+            request = Request(f"r{next_id}", prompt, PARAMS, next_id)
+            next_id += 1
+            match(request)
+            live.append(request)
+        elif not live:
+            continue
+        elif op == "advance":
+            request = live[a % len(live)]
+            if request.num_computed_tokens == request.num_tokens:  # everything computed: "sample" a token
+                request.output_token_ids.append(sampled[len(request.output_token_ids) % len(sampled)])
+            n = min(b, request.num_tokens - request.num_computed_tokens)
+            before = list(request.block_ids)
+            free_before = bm.num_free_pages
+            if bm.allocate(request, n):
+                new = request.block_ids[len(before):]
+                assert request.block_ids[:len(before)] == before
+                assert len(new) == free_before - bm.num_free_pages
+                for page in new:
+                    model.reuse(page)
+                # the pages this chunk writes are private and not in the cache: shared pages are never written
+                for i in range(request.num_computed_tokens, request.num_computed_tokens + n):
+                    page = request.block_ids[i // BLOCK]
+                    assert page != NULL_PAGE and bm.ref_count[page] == 1 and bm.page_hash[page] is None
+                request.num_computed_tokens += n
+                bm.register_full_pages(request)
+                model.publish(request)
+            else:
+                assert request.block_ids == before and bm.num_free_pages == free_before
+                assert bm.pages_needed(request, n) > free_before
+        elif op == "free":
+            request = live.pop(a % len(live))
+            bm.free(request)
+            assert request.block_ids == []
+        elif op == "readmit":
+            request = live[a % len(live)]
+            bm.free(request)
+            request.num_computed_tokens = 0
+            match(request)
+        bm.check_invariants(live)
+        assert bm.num_free_pages == num_pages - 1 - len({p for r in live for p in r.block_ids})
+        assert (bm.prefix_queries, bm.prefix_hits) == (model.queries, model.hits)
+
+    for request in live:
+        bm.free(request)
+    bm.check_invariants([])
+    assert bm.num_free_pages == num_pages - 1 and bm.num_used_pages == 0
+
+
+def test_shared_prefix_is_found_by_a_later_request_and_survives_its_owner():
+    bm = BlockManager(16, BLOCK)
+    first = Request("a", list(range(10)), PARAMS, 0)
+    bm.match_prefix(first)
+    assert bm.allocate(first, 10)
+    first.num_computed_tokens = 10
+    bm.register_full_pages(first)
+    second = Request("b", list(range(9)) + [99], PARAMS, 1)
+    assert bm.match_prefix(second) == 8 and second.block_ids == first.block_ids[:2]
+    assert [bm.ref_count[p] for p in first.block_ids] == [2, 2, 1]
+    bm.free(first)
+    bm.free(second)
+    third = Request("c", list(range(8)) + [7], PARAMS, 2)  # a freed, still-hashed page is a hit
+    assert bm.match_prefix(third) == 8
+    bm.check_invariants([third])
+    assert bm.hit_rate() == pytest.approx(16 / 29)
+
+
+def test_last_known_token_is_never_served_from_the_cache():
+    bm = BlockManager(8, BLOCK)
+    first = Request("a", list(range(8)), PARAMS, 0)
+    bm.match_prefix(first)
+    assert bm.allocate(first, 8)
+    first.num_computed_tokens = 8
+    bm.register_full_pages(first)
+    again = Request("b", list(range(8)), PARAMS, 1)
+    assert bm.match_prefix(again) == 4  # the page holding token 7 must be recomputed for its logits
+
+
+def test_num_pages_below_two_raises():
+    with pytest.raises(ValueError, match="num_pages"):
+        BlockManager(1, BLOCK)
