@@ -1,0 +1,73 @@
+"""The repeated-addition task: determinism, disjoint splits, verified solutions, lengths, tokenizer."""
+
+import re
+
+import numpy as np
+import pytest
+
+from zipage_jax.tasks import Problem, boxed_answer, sample_problems
+from zipage_jax.tasks.tokenizer import IM_END_ID, build_tokenizer, chat_prompt, encode_chat, save_tokenizer
+
+
+def test_sampling_is_deterministic_by_seed():
+    first = sample_problems(50, seed=7, split="train")
+    assert first == sample_problems(50, seed=7, split="train")
+    assert first != sample_problems(50, seed=8, split="train")
+
+
+def test_splits_never_overlap():
+    train = {(p.a, p.b) for seed in range(3) for p in sample_problems(2000, seed=seed, split="train")}
+    test = {(p.a, p.b) for seed in range(3) for p in sample_problems(300, seed=seed, split="test")}
+    assert train and test and not train & test
+    assert all(Problem(a, b).split == "test" for a, b in test)
+
+
+def test_solution_lines_are_running_sums_and_box_holds_the_product():
+    for p in sample_problems(100, seed=1, split="test"):
+        text = p.solution()
+        assert boxed_answer(text) == str(p.a * p.b)
+        lines = text.split("\n")[:-1]
+        assert len(lines) == p.b
+        for k, line in enumerate(lines, start=1):
+            counter, digits = line.split(":")
+            assert int(counter) == k
+            assert int(digits[::-1]) == k * p.a  # least significant digit first
+
+
+def test_lengths_prompt_short_reasoning_long():
+    problems = sample_problems(500, seed=3, split="train")
+    prompt_lens = [len(encode_chat(p.question)) for p in problems]
+    reasoning = [len(encode_chat(p.question, p.solution())) - n for p, n in zip(problems, prompt_lens)]
+    assert max(prompt_lens) <= 64
+    assert np.mean(reasoning) >= 512
+    assert max(len(encode_chat(p.question, p.solution())) for p in problems) <= 832
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="split"):
+        sample_problems(1, seed=0, split="valid")
+    with pytest.raises(ValueError, match="a must"):
+        Problem(123, 50)
+    with pytest.raises(ValueError, match="b must"):
+        Problem(12345, 7)
+
+
+def test_boxed_answer_takes_the_last_box():
+    assert boxed_answer(r"x \boxed{12} then \boxed{ 345 }") == "345"
+    assert boxed_answer("no box") is None
+
+
+def test_tokenizer_is_char_level_and_matches_encode_chat(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    save_tokenizer(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    p = sample_problems(1, seed=5, split="test")[0]
+    text = tok.apply_chat_template([{"role": "user", "content": p.question}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == chat_prompt(p.question)
+    full = tok(text + p.solution() + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert full == encode_chat(p.question, p.solution())
+    assert tok.eos_token_id == IM_END_ID
+    assert tok.decode(full, skip_special_tokens=True) == re.sub(r"<\|[a-z_]+\|>", "", text) + p.solution()
+    raw = build_tokenizer().encode("a b\n9").ids
+    assert len(raw) == 5

@@ -1,0 +1,84 @@
+"""Write Params as a HF-layout checkpoint (config.json, model.safetensors, tokenizer, generation config).
+
+The inverse of `zipage_jax.weights.load_hf_weights`: HF tensor names, matrices as [out, in].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from ..models.params import Params
+from .tokenizer import IM_END_ID, PAD_ID, save_tokenizer
+
+_LAYER_NAMES = {
+    "input_norm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "post_norm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+}
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+def hf_state_dict(params: Params, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """HF-named numpy tensors of a Qwen3 `params` (no attention biases), cast to `dtype`."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if params.layers.q_bias is not None:
+        raise ValueError("params: attention biases are not part of the qwen3 layout")
+    np_dtype = _DTYPES[dtype]
+
+    def host(x, transpose):
+        x = np.asarray(x, dtype=np.float32)
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2) if transpose else x).astype(np_dtype)
+
+    tensors = {"model.embed_tokens.weight": host(params.embed, False),
+               "model.norm.weight": host(params.final_norm, False)}
+    if params.lm_head is not None:
+        tensors["lm_head.weight"] = host(params.lm_head, True)
+    for field, (suffix, transpose) in _LAYER_NAMES.items():
+        stacked = host(getattr(params.layers, field), transpose)
+        for i, layer in enumerate(stacked):
+            tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(layer)
+    return tensors
+
+
+def qwen3_hf_config(arch: dict, dtype: str = "bfloat16") -> dict:
+    """A complete transformers Qwen3 config dict for architecture `arch` and the task tokenizer."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        **arch,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=IM_END_ID,
+        pad_token_id=PAD_ID,
+    )
+    out = config.to_dict()
+    out["architectures"] = ["Qwen3ForCausalLM"]
+    out["dtype"] = dtype
+    return out
+
+
+def save_hf_checkpoint(params: Params, arch: dict, directory, dtype: str = "bfloat16") -> None:
+    """Write the full HF checkpoint of the tiny model into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state_dict(params, dtype), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(qwen3_hf_config(arch, dtype), indent=2) + "\n")
+    generation = {"eos_token_id": IM_END_ID, "pad_token_id": PAD_ID, "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_tokenizer(directory)
