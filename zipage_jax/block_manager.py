@@ -152,12 +152,11 @@ class BlockManager:
         """Publish the request's newly completed pages (all tokens known and computed) in the prefix cache."""
         if not self.enable_prefix_caching or request.compressed:
             return
-        tokens = request.all_token_ids
         known = request.num_tokens - request.num_pending
         full = min(request.num_computed_tokens, known, len(request.block_ids) * self.block_size) // self.block_size
         for i in range(len(request.page_hashes), full):
             parent = request.page_hashes[-1] if request.page_hashes else 0
-            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, request.token_slice(i * self.block_size, (i + 1) * self.block_size))
             request.page_hashes.append(h)
             page = request.block_ids[i]
             if h not in self.hash_to_page and self.page_hash[page] is None:

@@ -128,7 +128,9 @@ class LLMEngine:
         return bool(self.scheduler.has_work() or self._in_flight or self._aborted)
 
     # -- the loop --------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that advanced (or, with ``only_finished``, that ended:
+        offline batches skip building cumulative outputs, which costs O(length) per request and step)."""
         scheduled = self.scheduler.schedule()
         handles = []
         if scheduled.compressions:  # before any step that reuses the pages it frees (same device stream)
@@ -150,7 +152,7 @@ class LLMEngine:
         for request in changed.values():
             if request.status.finished:
                 self._trim_pending(request)
-        return [self._output(r) for r in changed.values()]
+        return [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
 
     def _read_back(self, handles) -> dict[str, Request]:
         changed = {}
@@ -175,7 +177,8 @@ class LLMEngine:
 
     def _accept(self, request: Request, token: int, logprob: float):
         """Fill the oldest pending slot with the sampled token, then check every stop condition."""
-        index = request.output_token_ids.index(PENDING)
+        index = len(request.output_logprobs)  # tokens resolve in order: the oldest pending one
+        assert request.output_token_ids[index] == PENDING
         request.output_token_ids[index] = token
         request.output_logprobs.append(logprob)
         if request.first_token_time is None:
@@ -308,14 +311,14 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
             while self.engine.has_unfinished_requests():
-                self.engine.step()
+                self.engine.step(only_finished=True)
             raise
         finals: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm, unit="req")
         start, generated = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in added and out.request_id not in finals:
+            for out in self.engine.step(only_finished=True):
+                if out.request_id in added and out.request_id not in finals:
                     finals[out.request_id] = out
                     generated += len(out.outputs[0].token_ids)
                     bar.update(1)

@@ -68,6 +68,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, index: int) -> int:
+        """Token ``index`` of prompt + output without building the concatenation (hot path)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:n] + self.output_token_ids[max(start - n, 0):stop - n]
+
     @property
     def num_physical_tokens(self) -> int:
         """Live KV slots: equals the logical length until the first compression."""

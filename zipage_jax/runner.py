@@ -120,14 +120,17 @@ class ModelRunner:
     def _slot(self, request, index: int) -> int:
         return request.block_ids[index // self.page_size] * self.page_size + index % self.page_size
 
-    def _sampling(self, rows: int, requests) -> SamplingTensors:
+    def _sampling(self, rows: int, requests, force_sampled: bool = False) -> SamplingTensors:
+        """Per-row sampling tensors; ``force_sampled`` picks the sampling code path even for all-greedy rows
+        (prefill always does: one executable per bucket, and its cost is small next to the prefill)."""
         sampling_rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.seed, len(r.output_token_ids))
             if r is not None else SamplingRow(GREEDY, (), (), 0, 0)
             for r in requests
         ]
-        return SamplingTensors.from_rows(sampling_rows, self.model_cfg.vocab_size, self.eos_token_ids,
-                                         batch_size=rows)
+        tensors = SamplingTensors.from_rows(sampling_rows, self.model_cfg.vocab_size, self.eos_token_ids,
+                                            batch_size=rows)
+        return tensors.replace(sampled=True) if force_sampled else tensors
 
     def _dispatch(self, inputs, requests, kind: str, num_tokens: int) -> StepHandle:
         packed, spec = packing.pack(inputs)
@@ -138,7 +141,7 @@ class ModelRunner:
         return StepHandle(requests, tokens, logprobs, kind, num_tokens)
 
     # -- steps ---------------------------------------------------------------------------------------------
-    def decode(self, requests, rows: int | None = None) -> StepHandle:
+    def decode(self, requests, rows: int | None = None, force_sampled: bool = False) -> StepHandle:
         """One token per request: the one at index ``num_computed_tokens - 1`` (already counted by the scheduler)."""
         rows = rows or pick_bucket(self.decode_sizes, len(requests))
         tokens, positions, slots, kv_lens = (np.zeros(rows, np.int32) for _ in range(4))
@@ -147,7 +150,7 @@ class ModelRunner:
         sample_slot = np.full(rows, self.sink_slot, np.int32)
         for i, r in enumerate(requests):
             index = r.num_computed_tokens - 1  # logical position; its slot is at the physical index
-            token = r.all_token_ids[index]
+            token = r.token_at(index)
             if token == PENDING:
                 from_buffer[i], buffer_slot[i] = True, r.token_slot
             else:
@@ -157,7 +160,7 @@ class ModelRunner:
             sample_slot[i] = r.token_slot
         batch = PagedBatch(tokens=tokens, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                            page_tables=self._page_table(rows, requests), logits_indices=np.arange(rows, dtype=np.int32))
-        inputs = dict(batch=batch, sampling=self._sampling(rows, requests), from_buffer=from_buffer,
+        inputs = dict(batch=batch, sampling=self._sampling(rows, requests, force_sampled), from_buffer=from_buffer,
                       buffer_slot=buffer_slot, sample_slot=sample_slot, query_slot=sample_slot)
         return self._dispatch(inputs, list(requests), "decode", len(requests))
 
@@ -174,7 +177,7 @@ class ModelRunner:
         offset, sampled = 0, []
         for i, c in enumerate(chunks):
             r, n = c.request, c.num_tokens
-            ids = r.all_token_ids[c.start:c.start + n]
+            ids = r.token_slice(c.start, c.start + n)
             assert PENDING not in ids, "prefill over a token still on the device"
             tokens[offset:offset + n] = ids
             positions[offset:offset + n] = np.arange(c.start, c.start + n)
@@ -189,7 +192,7 @@ class ModelRunner:
         batch = PagedBatch(tokens=tokens, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                            page_tables=self._page_table(rows, [c.request for c in chunks]),
                            logits_indices=last_token, cu_q_lens=cu_q_lens)
-        inputs = dict(batch=batch, sampling=self._sampling(rows, sampled),
+        inputs = dict(batch=batch, sampling=self._sampling(rows, sampled, force_sampled=True),
                       from_buffer=np.zeros(num_tokens, bool), buffer_slot=np.full(num_tokens, self.sink_slot, np.int32),
                       sample_slot=sample_slot, query_slot=query_slot)
         return self._dispatch(inputs, sampled, "prefill", total)
@@ -219,9 +222,11 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------------------------
     def warmup(self):
-        """Compile every shape bucket with all-padding steps (writes land in the null page)."""
+        """Compile every shape bucket with all-padding steps (writes land in the null page): greedy and sampled
+        decode, prefill, compression. Penalties widen the history and compile on first use."""
         for rows in self.decode_sizes:
             self.decode([], rows)
+            self.decode([], rows, force_sampled=True)
         for num_tokens in self.prefill_token_sizes:
             for rows in self.prefill_row_sizes:
                 if rows <= num_tokens:

@@ -191,6 +191,10 @@ class SamplingTensors:
     history: jax.Array
     history_is_output: jax.Array
     banned_token_ids: jax.Array
+    # Which code paths the batch needs, decided on the host: static, so no data-dependent `lax.cond` (on GPU
+    # its predicate is read back to the host, which would stall the asynchronous step pipeline).
+    penalized: bool = struct.field(pytree_node=False, default=False)
+    sampled: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow | tuple], vocab_size: int,
@@ -218,10 +222,9 @@ class SamplingTensors:
                 raise ValueError(f"rows: params must be SamplingParams, got {type(p).__name__}")
             _int("rows: seed", r.seed)
             step = _int("rows: step", r.step, lo=0)
-            out = list(r.output_token_ids)
-            if p.uses_penalties:
+            if p.uses_penalties:  # only penalized rows pay for copying their history
                 prompt = list(r.prompt_token_ids) if p.repetition_penalty != 1.0 else []
-                histories.append((prompt, out))
+                histories.append((prompt, list(r.output_token_ids)))
             else:
                 histories.append(([], []))
             if step < p.min_tokens:
@@ -261,7 +264,8 @@ class SamplingTensors:
             t.history[i, len(prompt):len(prompt) + len(out)] = out
             t.history_is_output[i, len(prompt):len(prompt) + len(out)] = True
             t.banned_token_ids[i, :len(ban)] = ban
-        return t
+        penalized = any(r.params.uses_penalties for r in rows) or any(bans)
+        return t.replace(penalized=penalized, sampled=not all(r.params.greedy for r in rows))
 
 
 def _rows_index(x: jax.Array, cols: jax.Array) -> jax.Array:
@@ -279,8 +283,6 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     logits = logits.astype(jnp.float32)
     b = logits.shape[0]
     rows = jnp.arange(b)[:, None]
-    needed = (jnp.any(t.repetition_penalty != 1.0) | jnp.any(t.presence_penalty != 0.0)
-              | jnp.any(t.frequency_penalty != 0.0) | jnp.any(t.banned_token_ids >= 0))
 
     def penalize(x):
         cols = _rows_index(x, t.history)
@@ -296,14 +298,14 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         freq = jnp.broadcast_to(t.frequency_penalty[:, None], out_cols.shape)
         return x.at[rows, out_cols].add(-freq, mode="drop")
 
-    return jax.lax.cond(needed, penalize, lambda x: x, logits)
+    return penalize(logits) if t.penalized else logits
 
 
 def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Temperature, then min_p, top_k, top_p (vLLM order); filtered-out tokens become -inf.
 
-    Greedy rows (temperature 0) are left at temperature 1 and unfiltered. The sort needed by
-    top_k / top_p runs only when some row uses one of them.
+    Greedy rows (temperature 0) are left at temperature 1 and unfiltered; neutral values (min_p 0, top_k 0,
+    top_p 1) keep every token, so one code path serves every sampled batch.
     """
     x = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
 
@@ -323,8 +325,7 @@ def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         cutoff = jnp.maximum(kth, jnp.where(t.top_p[:, None] < 1.0, pth, -jnp.inf))
         return jnp.where(x >= cutoff, x, -jnp.inf)
 
-    x = jax.lax.cond(jnp.any(t.min_p > 0), min_p, lambda x: x, x)
-    return jax.lax.cond(jnp.any((t.top_k > 0) | (t.top_p < 1.0)), top_k_top_p, lambda x: x, x)
+    return top_k_top_p(min_p(x))
 
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -354,6 +355,6 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
         drawn = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_tokens, drawn)
 
-    tokens = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, draw, x)
+    tokens = draw(x) if t.sampled else greedy_tokens
     token_logits = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return tokens, token_logits - raw_lse
