@@ -40,14 +40,17 @@ def window_policy_mask(total, prompt_len, budget, sinks):
     return jnp.asarray((k <= q) & visible)
 
 
-def masked_greedy(llm, prompt, steps, budget, sinks):
+def masked_greedy_predictions(llm, prompt, output, budget, sinks):
+    """Teacher-forced oracle: the greedy next token at every output position under the eviction mask.
+
+    One dense forward over prompt + output; it equals ``output`` exactly when ``output`` is the greedy
+    continuation under that mask (each token is then the argmax given the tokens before it).
+    """
     engine = llm.engine
-    ids = list(prompt)
-    for _ in range(steps):
-        mask = window_policy_mask(len(ids), len(prompt), budget, sinks)
-        logits = forward_dense(engine.params, engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
-        ids.append(int(jnp.argmax(logits[0, -1])))
-    return ids[len(prompt):]
+    ids = list(prompt) + list(output)
+    mask = window_policy_mask(len(ids), len(prompt), budget, sinks)
+    logits = forward_dense(engine.params, engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
+    return jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1).tolist()
 
 
 @pytest.mark.parametrize("prompt_len,sinks", [(9, 0), (70, 4)])
@@ -60,7 +63,9 @@ def test_window_policy_equals_masked_dense_attention(prompt_len, sinks):
     params = dataclasses.replace(GREEDY, max_tokens=110)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.metrics["num_compressions"] >= 3
-    assert out.outputs[0].token_ids == masked_greedy(llm, prompt, params.max_tokens, budget, sinks)
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == params.max_tokens
+    assert tokens == masked_greedy_predictions(llm, prompt, tokens, budget, sinks)
 
 
 def test_budget_above_length_equals_full_kv():
