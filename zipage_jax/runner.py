@@ -22,13 +22,9 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def scoring_config(config) -> ScoringConfig:
-    """The static scoring knobs of the engine config."""
-    return ScoringConfig(
-        window=config.window, sink_tokens=config.sink_tokens, policy=config.eviction_policy,
-        global_score=config.global_score, decay=config.decay, pooling=config.pooling,
-        pooling_width=config.pooling_width, pooling_first_only=config.pooling_first_only,
-        redundancy=config.redundancy, redundancy_weight=config.redundancy_weight,
-        similarity_threshold=config.similarity_threshold, redundancy_temperature=config.redundancy_temperature)
+    """The static scoring knobs of the engine config (same names, but ``eviction_policy`` → ``policy``)."""
+    names = {f.name for f in dataclasses.fields(ScoringConfig)} - {"policy"}
+    return ScoringConfig(policy=config.eviction_policy, **{name: getattr(config, name) for name in names})
 
 
 def bucket_sizes(smallest: int, largest: int) -> list[int]:

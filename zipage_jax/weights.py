@@ -26,7 +26,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 # Per-layer fields: our name -> (HF suffix after `model.layers.N.`, is a matrix to transpose)
-_LAYER_TENSORS = {
+HF_LAYER_TENSORS = {
     "input_norm": ("input_layernorm.weight", False),
     "q_proj": ("self_attn.q_proj.weight", True),
     "k_proj": ("self_attn.k_proj.weight", True),
@@ -154,7 +154,7 @@ def load_hf_weights(path, cfg: ModelConfig, dtype=jnp.bfloat16, device=None) -> 
         if shape is None:
             continue
         if field.startswith("layers."):
-            suffix, transpose = _LAYER_TENSORS[field.removeprefix("layers.")]
+            suffix, transpose = HF_LAYER_TENSORS[field.removeprefix("layers.")]
             names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
         else:
             name, transpose = _TOP_TENSORS[field]

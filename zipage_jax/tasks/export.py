@@ -13,21 +13,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..models.params import Params
+from ..weights import HF_LAYER_TENSORS
 from .tokenizer import IM_END_ID, PAD_ID, save_tokenizer
 
-_LAYER_NAMES = {
-    "input_norm": ("input_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True),
-    "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True),
-    "o_proj": ("self_attn.o_proj.weight", True),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "post_norm": ("post_attention_layernorm.weight", False),
-    "gate_proj": ("mlp.gate_proj.weight", True),
-    "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True),
-}
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
@@ -47,7 +35,9 @@ def hf_state_dict(params: Params, dtype: str = "bfloat16") -> dict[str, np.ndarr
                "model.norm.weight": host(params.final_norm, False)}
     if params.lm_head is not None:
         tensors["lm_head.weight"] = host(params.lm_head, True)
-    for field, (suffix, transpose) in _LAYER_NAMES.items():
+    for field, (suffix, transpose) in HF_LAYER_TENSORS.items():
+        if getattr(params.layers, field) is None:
+            continue
         stacked = host(getattr(params.layers, field), transpose)
         for i, layer in enumerate(stacked):
             tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(layer)
