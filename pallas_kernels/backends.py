@@ -2,7 +2,6 @@
 
 import dataclasses
 
-from pallas_kernels import reference
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from zipage_jax.attention import ReferenceBackend, register_backend
@@ -10,27 +9,21 @@ from zipage_jax.attention import ReferenceBackend, register_backend
 
 @register_backend
 @dataclasses.dataclass(frozen=True)
-class MosaicBackend:
-    """Hopper: Mosaic GPU paged decode and ragged prefill kernels; KV write as an in-place XLA scatter."""
-
-    name = "mosaic"
-
-    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
-        return reference.write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v)
-
-    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
-        return paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
-
-    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
-        return ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
-
-
-@register_backend
-@dataclasses.dataclass(frozen=True)
 class MosaicDecodeBackend(ReferenceBackend):
-    """Hopper: the Mosaic GPU decode kernel with the XLA prefill reference."""
+    """Hopper: the Mosaic GPU paged decode kernel; XLA prefill; KV write as an in-place XLA scatter."""
 
     name = "mosaic_decode"
 
     def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
         return paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+
+@register_backend
+@dataclasses.dataclass(frozen=True)
+class MosaicBackend(MosaicDecodeBackend):
+    """Hopper: Mosaic GPU paged decode and ragged prefill kernels (the default on Hopper)."""
+
+    name = "mosaic"
+
+    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        return ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
