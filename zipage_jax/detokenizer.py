@@ -17,13 +17,19 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.num_added = 0  # output tokens seen so far
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly readable text (may be empty)."""
-        self.ids.append(token_id)
+        return self.extend([token_id])
+
+    def extend(self, token_ids) -> str:
+        """Append tokens (two decodes whatever their number); return the newly readable text."""
+        self.ids.extend(token_ids)
+        self.num_added += len(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

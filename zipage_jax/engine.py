@@ -186,22 +186,30 @@ class LLMEngine:
         self.block_manager.register_full_pages(request)
         params = request.sampling_params
         num_out = index + 1
-        detok = self._detokenizers[request.request_id]
-        detok.add(token)
         status = None
         if num_out >= params.min_tokens and (
                 token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif params.stop:
-            status = self._match_stop_string(request, detok)
+        elif params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
+            self._detokenize(request)
+            status = self._match_stop_string(request, self._detokenizers[request.request_id])
         if status is None and num_out >= params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        request.output_text = detok.text
         if status is not None:
             request.output_token_ids = request.output_token_ids[:num_out]
             self.scheduler.finish(request, status)
             request.finish_time = time.perf_counter()
             self.totals["finished"] += 1
+
+    def _detokenize(self, request: Request):
+        """Bring the request's text up to its resolved tokens (in one batch when it lags)."""
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:
+            return
+        resolved = len(request.output_logprobs)
+        if detok.num_added < resolved:
+            detok.extend(request.output_token_ids[detok.num_added:resolved])
+        request.output_text = detok.text
 
     @staticmethod
     def _match_stop_string(request, detok):
@@ -211,7 +219,7 @@ class LLMEngine:
         if not hits:
             return None
         pos, stop = min(hits)
-        detok.text = detok.text[:pos]
+        detok.text = request.output_text = detok.text[:pos]
         request.stop_reason = stop
         return RequestStatus.FINISHED_STOPPED
 
@@ -221,6 +229,8 @@ class LLMEngine:
             request.output_token_ids.pop()
 
     def _output(self, request: Request) -> RequestOutput:
+        if not isinstance(request.stop_reason, str):  # a matched stop string already fixed the text
+            self._detokenize(request)
         ids = [t for t in request.output_token_ids if t != PENDING]
         logprobs = request.output_logprobs[:len(ids)]
         want_logprobs = request.sampling_params.logprobs is not None
