@@ -124,6 +124,11 @@ def test_per_request_budget_and_invalid_knobs():
     assert outs[0].metrics["peak_kv_blocks_after_compression"] <= 5
     assert outs[1].metrics["peak_kv_blocks_after_compression"] <= 3
     assert outs[1].metrics["num_compressions"] > outs[0].metrics["num_compressions"]
+    wide = make_llm(compression=True, kv_budget_blocks=4, window=PAGE, sink_tokens=4)
+    with pytest.raises(ValueError, match="kv_budget_blocks"):
+        wide.engine.add_request("no-room", [5, 6, 7], dataclasses.replace(GREEDY, kv_budget_blocks=1))
+    with pytest.raises(ValueError, match="kv_budget_blocks"):
+        make_llm().engine.add_request("full-kv", [5, 6, 7], tight)
     for bad in (dict(window=0), dict(window=PAGE * 2), dict(eviction_policy="lru"), dict(redundancy="some"),
                 dict(decay=1.5), dict(pooling_width=4), dict(sink_tokens=PAGE * 8)):
         field = next(iter(bad))

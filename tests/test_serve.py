@@ -281,11 +281,14 @@ def test_logprobs_are_returned_per_token(live, model, reference):
 
 
 def test_kv_budget_blocks_extension_reaches_the_engine(live, model):
-    got = live.client().completions.create(model=model, prompt="budget", max_tokens=4,
-                                           extra_body={"kv_budget_blocks": 2})
-    assert got.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="compression off"):  # this server runs full KV
+        live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_blocks": 2})
     with pytest.raises(openai.BadRequestError, match="kv_budget_blocks"):
         live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_blocks": 0})
+    with live_server(make_engine(compression=True, kv_budget_blocks=8)) as compressed:
+        got = compressed.client().completions.create(model=model, prompt="budget", max_tokens=60,
+                                                     extra_body={"kv_budget_blocks": 2, "ignore_eos": True})
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 60
 
 
 # -- concurrency, cancellation, back-pressure -------------------------------------------------------------------

@@ -107,6 +107,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"{self.max_model_len}")
+        self._check_budget(params)
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
@@ -116,6 +117,18 @@ class LLMEngine:
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add(request)
+
+    def _check_budget(self, params: SamplingParams):
+        """A per-request KV budget must be usable: compression on, and room for the protected window and sinks."""
+        budget = params.kv_budget_blocks
+        if budget is None:
+            return
+        config = self.config
+        if not config.compression:
+            raise ValueError("kv_budget_blocks: the engine runs with compression off (start it with compression=True)")
+        if budget * config.block_size < config.window + config.sink_tokens:
+            raise ValueError(f"kv_budget_blocks: {budget} pages of {config.block_size} tokens cannot hold the "
+                             f"protected window ({config.window}) and sinks ({config.sink_tokens})")
 
     def abort_request(self, request_id: str):
         request = self.requests.get(request_id)
