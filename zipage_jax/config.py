@@ -3,9 +3,9 @@
 import dataclasses
 import os
 
+from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-EVICTION_POLICIES = ("zipage", "window")
-REDUNDANCY_MODES = ("off", "lightning", "full")
 
 
 @dataclasses.dataclass(frozen=True)
