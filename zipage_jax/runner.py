@@ -77,6 +77,10 @@ def _step(params, k_pool, v_pool, query_cache, token_buffer, packed, *, spec, mo
     return k_pool, v_pool, query_cache, token_buffer, tokens, logprobs
 
 
+def _compress_step(k_pool, v_pool, score_cache, query_cache, packed, *, spec, cfg, sm_scale):
+    return compress(k_pool, v_pool, score_cache, query_cache, packing.unpack(packed, spec), cfg, sm_scale)
+
+
 class ModelRunner:
     def __init__(self, config, model_cfg, params, num_pages: int, max_model_len: int, dtype, backend, mesh,
                  eos_token_ids=()):
@@ -96,8 +100,9 @@ class ModelRunner:
         self.query_cache, self.score_cache = kv_cache.allocate_compression_state(
             model_cfg, config, num_pages, dtype, mesh)
         self.scoring = scoring_config(config)
-        self._compress = jax.jit(functools.partial(compress, cfg=self.scoring, sm_scale=model_cfg.head_dim ** -0.5),
-                                 donate_argnums=(0, 1, 2))
+        self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
+                                                   sm_scale=model_cfg.head_dim ** -0.5),
+                                 static_argnames=("spec",), donate_argnums=(0, 1, 2))
         self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), sharding.replicated(mesh))
         self.decode_sizes = bucket_sizes(1, config.max_num_seqs)
         self.prefill_token_sizes = bucket_sizes(min(16, config.max_num_batched_tokens), config.max_num_batched_tokens)
@@ -213,8 +218,9 @@ class ModelRunner:
             before[i], valid[i] = c.compressed_before, True
         plan = CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
                                logical_lens=logical, compressed_before=before, valid=valid)
+        packed, spec = packing.pack(plan)
         self.k_pool, self.v_pool, self.score_cache = self._compress(
-            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jax.tree.map(jnp.asarray, plan))
+            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jnp.asarray(packed), spec=spec)
 
     # -- warm-up -------------------------------------------------------------------------------------------
     def warmup(self):
