@@ -118,7 +118,8 @@ def bench_decode(args):
         for name, fn in impls.items():
             row = dict(kernel="decode", impl=name, batch=batch, ctx=ctx, page=page_size,
                        q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim)
-            try:
+
+            def measure(row, name=name, fn=fn):
                 jitted = jax.jit(fn)
                 row["rel_err"] = rel_err(jitted(q, state), ref)
                 if name.startswith("mosaic"):
@@ -131,14 +132,22 @@ def bench_decode(args):
                 row.update(ms=sec * 1e3, tb_s=kv_bytes / sec / 1e12, tflop_s=flops / sec / 1e12)
                 row["ok"] = row["rel_err"] <= MAX_REL_ERR and row.get("rel_err_ragged", 0) <= MAX_REL_ERR \
                     and row.get("ragged_empty_rows_zero", True)
-            except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                if args.verbose:
-                    traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+            rows.append(record(row, measure, args.verbose))
         del impls, q, k_pool, v_pool, tables, state, ragged_state
     return rows
+
+
+def record(row: dict, measure, verbose: bool) -> dict:
+    """Fill ``row`` by ``measure(row)``; a failing implementation is a result (its error), not a crash."""
+    try:
+        measure(row)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        if verbose:
+            traceback.print_exc()
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def bench_prefill(args):
@@ -169,16 +178,13 @@ def bench_prefill(args):
         for name, fn in impls.items():
             row = dict(kernel="prefill", impl=name, batch=num_requests, ctx=ctx, page=page_size,
                        q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim)
-            try:
+
+            def measure(row, name=name, fn=fn):
                 row["rel_err"] = rel_err(jax.jit(fn)(q, state), ref)
                 sec = time_chain(fn, q, state, 2 if name == "xla_ref" else args.reps // 4 or 1)
                 row.update(ms=sec * 1e3, tb_s=0.0, tflop_s=flops / sec / 1e12, ok=row["rel_err"] <= MAX_REL_ERR)
-            except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                if args.verbose:
-                    traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+            rows.append(record(row, measure, args.verbose))
         del q, k_pool, v_pool, tables, state, ref
     return rows
 
