@@ -204,8 +204,9 @@ class LLMEngine:
                 token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
+            searched = len(request.output_text)
             self._detokenize(request)
-            status = self._match_stop_string(request, self._detokenizers[request.request_id])
+            status = self._match_stop_string(request, self._detokenizers[request.request_id], searched)
         if status is None and num_out >= params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -225,9 +226,13 @@ class LLMEngine:
         request.output_text = detok.text
 
     @staticmethod
-    def _match_stop_string(request, detok):
-        """Stop at the earliest stop string in the text; the matched string and what follows are dropped."""
-        hits = [(detok.text.find(s), s) for s in request.sampling_params.stop]
+    def _match_stop_string(request, detok, searched: int):
+        """Stop at the earliest stop string in the text; the matched string and what follows are dropped.
+
+        The first ``searched`` characters held no match before, so only matches reaching past them are new.
+        """
+        text = detok.text
+        hits = [(text.find(s, max(0, searched - len(s) + 1)), s) for s in request.sampling_params.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return None
@@ -244,8 +249,8 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         if not isinstance(request.stop_reason, str):  # a matched stop string already fixed the text
             self._detokenize(request)
-        ids = [t for t in request.output_token_ids if t != PENDING]
-        logprobs = request.output_logprobs[:len(ids)]
+        ids = request.output_token_ids[:len(request.output_logprobs)]  # resolved tokens come first
+        logprobs = request.output_logprobs
         want_logprobs = request.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0, text=request.output_text, token_ids=ids,
