@@ -4,18 +4,23 @@ import dataclasses
 
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
+from pallas_kernels.scoring import window_scores
 from zipage_jax.attention import ReferenceBackend, register_backend
 
 
 @register_backend
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeBackend(ReferenceBackend):
-    """Hopper: the Mosaic GPU paged decode kernel; XLA prefill; KV write as an in-place XLA scatter."""
+    """Hopper: the Mosaic GPU paged decode and compression-scoring kernels; XLA prefill; KV write as an
+    in-place XLA scatter."""
 
     name = "mosaic_decode"
 
     def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
         return paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+    def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
+        return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale)
 
 
 @register_backend

@@ -1,9 +1,19 @@
 """Train the shipped tiny reasoning model (Qwen3 architecture) on the repeated-addition task.
 
-Reproducible by seed: the init key and every batch are functions of --seed and the step index.
-Ends with a greedy evaluation on held-out test problems and writes the HF checkpoint to --out.
+Reproducible by seed: the init key, every batch and every visibility mask are functions of --seed and the
+step index. Each batch mixes plain causal rows (full KV) with eviction rows (whole sequences under a mask of
+what a KV eviction may leave, see `zipage_jax.tasks.training_data`), answer tokens weighted up. Ends with an
+evaluation on held-out test problems (full KV and under eviction masks) and writes the HF checkpoint to --out.
 
-    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --steps 2000
+The shipped checkpoint was trained in two stages on one H200 (the second stage warm-starts from the first):
+
+    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/stage1 --lr 1.5e-3 --evict-fraction 0 \
+        --answer-weight 1 --train-seconds 370 --steps 6000
+    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init /tmp/stage1 \
+        --batch 128 --lr 1e-3 --warmup 100 --train-seconds 360 --steps 6000
+
+--train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
+--train-seconds) reproduces a run exactly.
 """
 
 from __future__ import annotations
@@ -21,11 +31,11 @@ import optax
 
 from zipage_jax.models import ModelConfig, Params, forward_dense
 from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
-from zipage_jax.tasks.repeated_addition import SUM_DIGITS, Problem, boxed_answer, sample_problems
-from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, encode_chat
+from zipage_jax.tasks.repeated_addition import Problem, boxed_answer, sample_problems
+from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, VOCAB, encode_chat
+from zipage_jax.tasks.training_data import SEQ_LEN, answer_start, encode_batch, sample_visibility, visibility_mask
 from zipage_jax.weights import init_random_params, load_hf_weights
 
-SEQ_LEN = 832  # longest prompt + solution + <|im_end|> is 822 tokens
 TIMING_STEPS = 30
 
 
@@ -44,12 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--eval-problems", type=int, default=200)
-    p.add_argument("--greedy-samples", type=int, default=200, help="eval problems also decoded greedily")
+    p.add_argument("--evict-fraction", type=float, default=0.5, help="share of rows trained under eviction masks")
+    p.add_argument("--answer-weight", type=float, default=10.0, help="loss weight of the \\boxed{...} tokens")
+    p.add_argument("--eval-problems", type=int, default=500)
+    p.add_argument("--greedy-samples", type=int, default=32, help="eval problems also decoded greedily")
     p.add_argument("--init", default=None, help="HF checkpoint to continue from instead of a random init")
-    p.add_argument("--answer-only", action="store_true", help="loss on the boxed answer tokens only")
-    p.add_argument("--window-lines", type=int, default=None,
-                   help="train on prompt + N consecutive lines (see encode_window_batch)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--train-seconds", type=float, default=None,
                    help="shrink --steps to what fits in this wall time, measured after %d warm steps; the "
@@ -72,49 +81,13 @@ def architecture(args) -> dict:
     )
 
 
-def encode_batch(problems: list[Problem], answer_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """tokens [B, SEQ_LEN] (PAD after the end) and loss mask [B, SEQ_LEN-1] over the assistant's tokens
-    (with `answer_only`, over the final `\\boxed{...}<|im_end|>` only)."""
-    tokens = np.full((len(problems), SEQ_LEN), PAD_ID, np.int32)
-    mask = np.zeros((len(problems), SEQ_LEN - 1), np.float32)
-    for i, problem in enumerate(problems):
-        prompt_len = len(encode_chat(problem.question))
-        ids = encode_chat(problem.question, problem.solution())
-        tokens[i, : len(ids)] = ids
-        first = len(ids) - len(f"\\boxed{{{problem.answer}}}") - 1 if answer_only else prompt_len
-        mask[i, first - 1 : len(ids) - 1] = 1.0  # targets = ids[first:]
-    return tokens, mask
-
-
-def encode_window_batch(problems: list[Problem], lines: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Prompt + `lines` consecutive solution lines (with the answer when they reach the end; half of the rows
-    do), at their true positions. The elided lines are what a compressed KV cache drops: training on such
-    contexts teaches the model to rely only on the prompt and the recent lines. Loss on every kept line but
-    the first (whose previous line is elided) and on the answer."""
-    rng = np.random.default_rng(seed)
-    line_len = len(f"01:{'0' * SUM_DIGITS}\n")
-    rows, positions, masks = [], [], []
-    for problem in problems:
-        prompt = encode_chat(problem.question)
-        ids = encode_chat(problem.question, problem.solution())
-        first = problem.b - lines if rng.random() < 0.5 else int(rng.integers(0, problem.b - lines + 1))
-        cut = len(prompt) + line_len * first
-        end = cut + line_len * lines if first < problem.b - lines else len(ids)
-        kept = list(range(len(prompt))) + list(range(cut, end))
-        kept += [kept[-1]] * (len(prompt) + line_len * lines + len(ids) - cut - line_len * (problem.b - first) - len(kept))
-        rows.append([ids[i] for i in kept])
-        positions.append(kept)
-        mask = np.zeros(len(kept) - 1, np.float32)
-        mask[len(prompt) - 1 + (line_len if first else 0) : end - cut + len(prompt) - 1] = 1.0
-        masks.append(mask)
-    return np.array(rows, np.int32), np.array(positions, np.int32), np.array(masks)
-
-
-def loss_fn(params: Params, cfg: ModelConfig, tokens, mask, positions=None):
+def loss_fn(params: Params, cfg: ModelConfig, tokens, weights, window, keep):
+    """Weighted mean next-token cross-entropy, each row attending under its visibility mask."""
     compute = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    logits = forward_dense(compute, cfg, tokens[:, :-1], None if positions is None else positions[:, :-1])
+    mask = visibility_mask(window, keep[:, :-1])
+    logits = forward_dense(compute, cfg, tokens[:, :-1], attention_mask=mask)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return jnp.sum(losses * mask) / jnp.sum(mask)
+    return jnp.sum(losses * weights) / jnp.sum(weights)
 
 
 def make_optimizer(args):
@@ -132,21 +105,21 @@ def learning_rate(step: int, total: int, args) -> float:
 
 
 @partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0, 3))
-def train_step(params, cfg, optimizer, opt_state, tokens, mask, lr, positions=None):
-    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, mask, positions)
+def train_step(params, cfg, optimizer, opt_state, tokens, weights, window, keep, lr):
+    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, weights, window, keep)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return jax.tree.map(lambda p, u: p - lr * u, params, updates), opt_state, loss
 
 
 @partial(jax.jit, static_argnums=(1,))
-def teacher_forced_match(params, cfg, tokens, mask):
-    """Per row: does the argmax at every assistant position equal the reference token?
+def teacher_forced_match(params, cfg, tokens, weights, window, keep):
+    """Per row and per target: is the argmax the reference token (True where the weight is 0)?
 
-    True exactly when greedy decoding reproduces the reference solution token for token.
+    A row matching everywhere is exactly a row whose greedy decoding, under the same visibility mask,
+    reproduces the reference solution token for token (induction over positions).
     """
-    logits = forward_dense(params, cfg, tokens[:, :-1])
-    hit = (jnp.argmax(logits, axis=-1) == tokens[:, 1:]) | (mask == 0)
-    return jnp.all(hit, axis=-1)
+    logits = forward_dense(params, cfg, tokens[:, :-1], attention_mask=visibility_mask(window, keep[:, :-1]))
+    return (jnp.argmax(logits, axis=-1) == tokens[:, 1:]) | (weights == 0)
 
 
 @partial(jax.jit, static_argnums=(1, 3))
@@ -176,8 +149,6 @@ def greedy_decode(params, cfg, prompts, prompt_len: int):
 
 
 def decode_text(ids) -> str:
-    from zipage_jax.tasks.tokenizer import VOCAB
-
     inverse = {i: t for t, i in VOCAB.items()}
     out = []
     for i in ids:
@@ -187,22 +158,36 @@ def decode_text(ids) -> str:
     return "".join(out)
 
 
+def teacher_forced_scores(params, cfg, problems: list[Problem], evict_fraction: float, seed: int) -> dict:
+    """Share of problems whose greedy decoding reproduces the reference exactly, and share whose answer
+    tokens come out right given the reference scratchpad, under masks drawn with `evict_fraction`."""
+    tokens, weights = encode_batch(problems)
+    window, keep = sample_visibility(problems, np.random.default_rng(seed), evict_fraction)
+    hits = np.concatenate([np.asarray(teacher_forced_match(
+        params, cfg, *(jnp.asarray(x[i : i + 25]) for x in (tokens, weights, window, keep))))
+        for i in range(0, len(problems), 25)])
+    answer = [hits[i, answer_start(p) - 1 :].all() for i, p in enumerate(problems)]
+    return {"exact": float(np.mean(hits.all(axis=1))), "answer_given_scratchpad": float(np.mean(answer))}
+
+
 def evaluate(params: Params, cfg: ModelConfig, problems: list[Problem], greedy_samples: int) -> dict:
-    """In f32 on the shipped (bf16) weights: on every problem, whether greedy decoding reproduces the reference
-    solution (teacher-forced argmax, exact); on the first `greedy_samples`, true greedy decoding."""
+    """In f32 on the shipped (bf16) weights: teacher-forced exactness with full KV and under eviction masks on
+    every problem; true greedy decoding (full KV) on the first `greedy_samples`."""
     shipped = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
-    tokens, mask = encode_batch(problems)
     prompt_len = len(encode_chat(problems[0].question))
     with jax.default_matmul_precision("highest"):
-        exact = np.concatenate([
-            np.asarray(teacher_forced_match(shipped, cfg, jnp.asarray(tokens[i : i + 25]), jnp.asarray(mask[i : i + 25])))
-            for i in range(0, len(problems), 25)])
-        out = np.asarray(greedy_decode(shipped, cfg, jnp.asarray(tokens[:greedy_samples, :prompt_len]), prompt_len))
-    texts = [decode_text(row[prompt_len:]) for row in out] if greedy_samples else []
+        full = teacher_forced_scores(shipped, cfg, problems, 0.0, seed=0)
+        evicted = teacher_forced_scores(shipped, cfg, problems, 1.0, seed=1)
+        prompts = encode_batch(problems[:greedy_samples])[0][:, :prompt_len]
+        out = np.asarray(greedy_decode(shipped, cfg, jnp.asarray(prompts), prompt_len)) if greedy_samples else []
+    texts = [decode_text(row[prompt_len:]) for row in out]
     sampled = problems[:greedy_samples]
     return {
         "problems": len(problems),
-        "greedy_reproduces_reference": float(np.mean(exact)),
+        "full_kv_greedy_reproduces_reference": full["exact"],
+        "full_kv_answer_given_scratchpad": full["answer_given_scratchpad"],
+        "eviction_masks_greedy_reproduces_reference": evicted["exact"],
+        "eviction_masks_answer_given_scratchpad": evicted["answer_given_scratchpad"],
         "greedy_samples": greedy_samples,
         "greedy_samples_answer_accuracy": float(np.mean([boxed_answer(t) == p.answer for t, p in zip(texts, sampled)] or [0])),
         "greedy_samples_equal_reference": float(np.mean([t == p.solution() for t, p in zip(texts, sampled)] or [0])),
@@ -230,18 +215,20 @@ def main(argv=None):
     opt_state = optimizer.init(params)
 
     log = {"args": vars(args), "params": n_params, "loss": []}
+    if args.init is not None and (Path(args.init) / "train_log.json").is_file():  # the earlier stage, for the record
+        init_log = json.loads((Path(args.init) / "train_log.json").read_text())
+        log["init_log"] = {**init_log, "eval": {k: v for k, v in init_log.get("eval", {}).items() if k != "samples"}}
     start = time.time()
     total = args.steps
     step = 0
     while step < total:
-        problems = sample_problems(args.batch, seed=args.seed * 1_000_003 + step, split="train")
-        if args.window_lines is None:
-            (tokens, mask), positions = encode_batch(problems, args.answer_only), None
-        else:
-            tokens, positions, mask = encode_window_batch(problems, args.window_lines, seed=args.seed * 1_000_003 + step)
+        batch_seed = args.seed * 1_000_003 + step
+        problems = sample_problems(args.batch, seed=batch_seed, split="train")
+        tokens, weights = encode_batch(problems, args.answer_weight)
+        window, keep = sample_visibility(problems, np.random.default_rng(batch_seed), args.evict_fraction)
         lr = jnp.float32(learning_rate(step, total, args))
-        params, opt_state, loss = train_step(params, cfg, optimizer, opt_state, jnp.asarray(tokens),
-                                             jnp.asarray(mask), lr, positions)
+        params, opt_state, loss = train_step(params, cfg, optimizer, opt_state,
+                                             *(jnp.asarray(x) for x in (tokens, weights, window, keep)), lr)
         if step == 4 and args.train_seconds is not None:
             jax.block_until_ready(params)
             warm_start = time.time()

@@ -50,3 +50,22 @@ def test_bad_arguments_raise():
         bench.decode_benchmark("tiny", [0], ctx=8, steps=1)
     with pytest.raises(ValueError, match="steps"):
         bench.decode_benchmark("tiny", [1], ctx=8, steps=0)
+
+
+def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
+    out, png = tmp_path / "sched.json", tmp_path / "sched.png"
+    bench.main(["scheduling", "--model-shape", "tiny", "--requests", "4", "--prompt-len", "5", "--output-len", "60",
+                "--kv-budget-blocks", "1", "--block-size", "16", "--num-pages", "9", "--num-query-slots", "2",
+                "--dtype", "float32", "--prefill-tokens", "32", "--prefill-seqs", "2",
+                "--metrics-interval-steps", "4", "--no-warmup", "--compilation-cache-dir", "", "--json", str(out), "--png", str(png)])
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert [(r["mode"], r["admission"]) for r in results] == list(bench.SCHEDULING_VARIANTS)
+    for r in results:
+        assert r["output_tokens"] == 4 * 60 and r["num_compressions"] > 0 and r["history"]
+        assert r["host_ms_per_step"] > 0 and 0 <= r["compression_time_share"] <= 1
+        assert r["sizing"]["num_query_slots"] == 2 and r["sizing"]["num_pages"] == 9
+        assert r["tokens"] == results[0]["tokens"]  # greedy: async == sync == constrained, nothing lost
+    assert max(h["num_running"] for h in results[0]["history"]) > 2  # hybrid runs past the 2 slots
+    assert max(h["num_running"] for h in results[2]["history"]) <= 2
+    assert png.stat().st_size > 0

@@ -134,3 +134,25 @@ def test_per_request_budget_and_invalid_knobs():
         field = next(iter(bad))
         with pytest.raises(ValueError, match=field):
             make_llm(compression=True, kv_budget_blocks=4, **bad)
+
+
+def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
+    """Under memory pressure: the small-budget requests take both query slots first, the large-budget front
+    request (still without one) runs out of pages and the compressed tail is swapped out and back. Every
+    request decodes what it decodes alone with the same budget, in asynchronous and synchronous mode alike."""
+    rng = np.random.default_rng()
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(2, 6, size=3)]
+    params = [dataclasses.replace(GREEDY, kv_budget_blocks=b) for b in (3, 1, 1)]
+    alone_llm = make_llm(compression=True, kv_budget_blocks=1, window=4)
+    want = [alone_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    tight = dict(compression=True, kv_budget_blocks=1, window=4, num_gpu_blocks_override=8, max_model_len=112,
+                 max_num_seqs=3, num_query_slots=2, metrics_interval_steps=1)
+    for async_compression in (True, False):
+        llm = make_llm(async_compression=async_compression, **tight)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        m = llm.metrics()
+        assert m["num_swaps"] > 0 and m["num_compressions"] > 0 and m["kv_pages_used"] == 0
+        history = llm.engine.metrics_history()
+        assert max(h["num_swapped"] for h in history) >= 1 and max(h["query_slots_used"] for h in history) == 2
+        assert all(0 <= h["page_occupancy"] <= 1 for h in history)

@@ -19,6 +19,7 @@ and reports:
 import argparse
 import dataclasses
 import json
+import os
 import re
 import time
 
@@ -31,10 +32,10 @@ from zipage_jax.attention import resolve_backend
 from zipage_jax.block_manager import BlockManager
 from zipage_jax.config import EngineConfig
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.request import PENDING, Request
+from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.runner import ModelRunner
 from zipage_jax.sampling import SamplingParams
-from zipage_jax.scheduler import Scheduler
+from zipage_jax.engine import make_scheduler
 
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
@@ -61,28 +62,29 @@ class BenchEngine:
     largest bucket so a benchmark compiles one prefill shape.
     """
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params, num_pages: int):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params, num_pages: int | None = None):
         self.config = config
         self.model_cfg = model_cfg
         mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
         self.params = sharding.shard_params(params, mesh)
+        backend = resolve_backend(config.attention_backend)
+        self.sizing = kv_cache.plan_memory(config, model_cfg, jnp.dtype(config.dtype), config.max_model_len,
+                                           backend.name)
+        num_pages = num_pages or self.sizing["num_pages"]
         self.runner = ModelRunner(config, model_cfg, self.params, num_pages, config.max_model_len,
-                                  jnp.dtype(config.dtype), resolve_backend(config.attention_backend), mesh)
+                                  jnp.dtype(config.dtype), backend, mesh, (), self.sizing["num_query_slots"],
+                                  self.sizing["max_compression_pages"])
         self.block_manager = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_num_prefill_seqs)
+        self.scheduler = make_scheduler(config, self.block_manager, self.sizing)
         self.in_flight = []
+        self.finish_at_max_tokens = False  # the decode benchmark keeps its requests (and pages) to rewind them
+        self.finished: list[Request] = []
 
     def step(self):
         """One engine step; returns (scheduler output, host seconds, seconds blocked on the previous step)."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        handles = []
-        if scheduled.decodes:
-            handles.append(self.runner.decode(scheduled.decodes))
-        if scheduled.prefills:
-            handles.append(self.runner.prefill(scheduled.prefills, self.config.max_num_batched_tokens,
-                                               self.config.max_num_prefill_seqs))
+        handles = self.runner.execute(scheduled, self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs)
         for handle in handles:
             for request in handle.requests:
                 if request is not None:
@@ -103,9 +105,13 @@ class BenchEngine:
             tokens, _ = handle.result()
             blocked += time.perf_counter() - t
             for row, request in enumerate(handle.requests):
-                if request is not None:
-                    request.output_token_ids[request.output_token_ids.index(PENDING)] = int(tokens[row])
-                    self.block_manager.register_full_pages(request)
+                if request is None or request.status.finished:
+                    continue
+                request.output_token_ids[request.output_token_ids.index(PENDING)] = int(tokens[row])
+                self.block_manager.register_full_pages(request)
+                if self.finish_at_max_tokens and request.reached_max_tokens:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                    self.finished.append(request)
         return blocked
 
 
@@ -317,6 +323,135 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     return make_report(results, hlo), engine
 
 
+SCHEDULING_VARIANTS = (("async", "hybrid"), ("sync", "hybrid"), ("async", "constrained"))
+
+
+def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, output_len: int,
+                         kv_budget_blocks: int = 8, block_size: int = 256, num_pages: int | None = None,
+                         num_query_slots: int | None = None, max_num_seqs: int = 256,
+                         attention_backend: str = "reference", dtype: str = "bfloat16", prefill_tokens: int = 8192,
+                         prefill_seqs: int = 8, metrics_interval_steps: int = 16, seed: int = 0,
+                         variants=SCHEDULING_VARIANTS, warmup: bool = True,
+                         compilation_cache_dir: str | None = None, progress=print, on_result=None):
+    """Long outputs under memory pressure, one run per (compression mode, admission) variant from the same params.
+
+    Per variant: throughput, host time per step (excluding the read-back wait), time blocked on the read-back,
+    an upper bound of GPU idle per step (a step whose read-back did not block may have left the device idle
+    for at most its host time; one that blocked left it none), the compression share of device time, the
+    metrics history, and every request's tokens (greedy: identical across variants when all is lossless).
+    """
+    for name, value in (("num_requests", num_requests), ("prompt_len", prompt_len), ("output_len", output_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive int (got {value!r})")
+    if model_shape not in MODEL_SHAPES:
+        raise ValueError(f"model_shape: unknown {model_shape!r}; have {sorted(MODEL_SHAPES)}")
+    model_cfg = MODEL_SHAPES[model_shape]
+    if compilation_cache_dir:  # the variants compile the same steps: later ones load them from the cache
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(compilation_cache_dir))
+    params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, model_cfg.vocab_size, size=prompt_len).tolist() for _ in range(num_requests)]
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    report = dict(benchmark="scheduling", model_shape=model_shape, device=str(jax.devices()[0]),
+                  device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  config=dict(num_requests=num_requests, prompt_len=prompt_len, output_len=output_len,
+                              kv_budget_blocks=kv_budget_blocks, block_size=block_size, num_pages=num_pages,
+                              num_query_slots=num_query_slots, max_num_seqs=max_num_seqs, dtype=dtype,
+                              attention_backend=attention_backend),
+                  results=[])
+    for mode, admission in variants:
+        config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, block_size=block_size,
+                              max_model_len=prompt_len + output_len, max_num_seqs=min(max_num_seqs, num_requests),
+                              max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
+                              num_gpu_blocks_override=num_pages, attention_backend=attention_backend, seed=seed,
+                              enable_prefix_caching=False, compilation_cache_dir=None, compression=True,
+                              kv_budget_blocks=kv_budget_blocks, num_query_slots=num_query_slots,
+                              async_compression=mode == "async", hybrid_admission=admission == "hybrid",
+                              metrics_interval_steps=metrics_interval_steps)
+        engine = BenchEngine(config, model_cfg, params)
+        engine.finish_at_max_tokens = True
+        if warmup:  # so no measured step compiles
+            engine.runner.warmup()
+        requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]
+        for r in requests:
+            engine.scheduler.add(r)
+        history, host, blocked, idle, steps, decoded = [], [], [], [], 0, 0
+        start = last = time.perf_counter()
+        last_decoded, last_compression = 0, 0.0
+        while engine.scheduler.has_work() or engine.in_flight:
+            scheduled, h, b = engine.step()
+            steps += 1
+            decoded += len(scheduled.decodes)
+            host.append(h)
+            blocked.append(b)
+            idle.append(h if b < 1e-4 else 0.0)
+            if metrics_interval_steps and steps % metrics_interval_steps == 0:
+                now = time.perf_counter()
+                s, bm = engine.scheduler, engine.block_manager
+                history.append(dict(
+                    time_s=now - start, step=steps, num_running=len(s.running), num_waiting=len(s.waiting),
+                    num_stalled=s.num_stalled, num_swapped=len(s.swapped),
+                    page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
+                    decode_tokens_per_s=(decoded - last_decoded) / (now - last),
+                    compression_time_share=(engine.runner.compression_seconds - last_compression) / (now - last)))
+                last, last_decoded, last_compression = now, decoded, engine.runner.compression_seconds
+            if not scheduled.decodes and not scheduled.prefills and not engine.in_flight and \
+                    not scheduled.compressions and not scheduled.swap_ins and engine.scheduler.has_work():
+                raise RuntimeError("scheduling benchmark: no progress (the pool cannot hold one request)")
+        wall = time.perf_counter() - start
+        row = dict(
+            mode=mode, admission=admission, wall_s=wall, steps=steps,
+            output_tokens=sum(len(r.output_token_ids) for r in requests),
+            tokens_per_s=sum(len(r.output_token_ids) for r in requests) / wall,
+            host_ms_per_step=float(np.mean(host)) * 1e3, blocked_ms_per_step=float(np.mean(blocked)) * 1e3,
+            gpu_idle_upper_ms_per_step=float(np.mean(idle)) * 1e3,
+            compression_time_share=engine.runner.compression_seconds / wall,
+            num_compressions=sum(r.num_compressions for r in requests),
+            num_swaps=engine.scheduler.num_swaps, num_preemptions=engine.scheduler.num_preemptions,
+            sizing=engine.sizing, history=history,
+            tokens=[r.output_token_ids for r in requests])
+        report["results"].append(row)
+        progress(f"{mode:>5} {admission:>11}: {row['tokens_per_s']:9.1f} tok/s, {steps} steps, host "
+                 f"{row['host_ms_per_step']:.2f} ms/step, blocked {row['blocked_ms_per_step']:.2f}, idle <= "
+                 f"{row['gpu_idle_upper_ms_per_step']:.2f}, compression {row['compression_time_share']:.1%}, "
+                 f"{row['num_swaps']} swaps, {row['num_preemptions']} recomputes")
+        if on_result:
+            on_result(report)
+    return report
+
+
+def plot_scheduling(report: dict, path: str):
+    """One column per variant: requests by state and page occupancy over time, decode tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 6), squeeze=False, sharex="col")
+    for col, r in enumerate(results):
+        h = r["history"]
+        t = [x["time_s"] for x in h]
+        top, bottom = axes[0][col], axes[1][col]
+        for key in ("num_running", "num_waiting", "num_stalled", "num_swapped"):
+            top.plot(t, [x[key] for x in h], label=key[4:])
+        occupancy = top.twinx()
+        occupancy.plot(t, [x["page_occupancy"] for x in h], "k--", label="page occupancy")
+        occupancy.set_ylim(0, 1.05)
+        top.set_title(f"{r['mode']} / {r['admission']}: {r['tokens_per_s']:.0f} tok/s")
+        top.legend(loc="upper left", fontsize=7)
+        bottom.plot(t, [x["decode_tokens_per_s"] for x in h], label="decode tok/s")
+        share = bottom.twinx()
+        share.plot(t, [x["compression_time_share"] for x in h], "r:", label="compression share")
+        share.set_ylim(0, 1.05)
+        bottom.set_xlabel("s")
+        bottom.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 HEADER = (f"{'batch':>5} {'kv_len':>7} {'tok/s':>9} {'engine ms':>9} {'device ms':>9} {'host ms':>8} "
           f"{'in jit':>7} {'python':>7} {'gap ms':>7} {'roofline':>8} {'dev roof':>8} {'1st step s':>10}")
 
@@ -346,7 +481,33 @@ def main(argv=None):
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument("--no-hlo", action="store_true", help="skip the compiled-HLO inspection")
     decode.add_argument("--json", help="write the report here")
+    sched = sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs sync "
+                                              "compression, hybrid vs constrained admission")
+    sched.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
+    sched.add_argument("--requests", type=int, default=256)
+    sched.add_argument("--prompt-len", type=int, default=512)
+    sched.add_argument("--output-len", type=int, default=4096)
+    sched.add_argument("--kv-budget-blocks", type=int, default=8)
+    sched.add_argument("--block-size", type=int, default=256)
+    sched.add_argument("--num-pages", type=int, help="pool size in pages (default: sized from device memory)")
+    sched.add_argument("--num-query-slots", type=int, help="C (default: sized from memory)")
+    sched.add_argument("--max-num-seqs", type=int, default=256)
+    sched.add_argument("--attention-backend", default="reference")
+    sched.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sched.add_argument("--prefill-tokens", type=int, default=8192)
+    sched.add_argument("--prefill-seqs", type=int, default=8)
+    sched.add_argument("--metrics-interval-steps", type=int, default=16)
+    sched.add_argument("--variants", nargs="+", default=[f"{m}-{a}" for m, a in SCHEDULING_VARIANTS],
+                       help="MODE-ADMISSION, MODE in async/sync, ADMISSION in hybrid/constrained")
+    sched.add_argument("--seed", type=int, default=0)
+    sched.add_argument("--no-warmup", action="store_true", help="compile on first use (smoke runs)")
+    sched.add_argument("--compilation-cache-dir", default=os.path.join("~", ".cache", "zipage_jax", "xla"),
+                       help="persistent XLA cache shared by the variants ('' = off)")
+    sched.add_argument("--json", help="write the report here")
+    sched.add_argument("--png", help="write the metrics plot here")
     args = parser.parse_args(argv)
+    if args.benchmark == "scheduling":
+        return _scheduling_main(args)
     print(f"decode benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, batches {args.batch}")
 
     def write(report):
@@ -366,6 +527,30 @@ def main(argv=None):
               "| copies of the pool:", report["hlo"]["pool_copies"])
     write(report)
     return report, engine
+
+
+def _scheduling_main(args):
+    variants = [tuple(v.split("-", 1)) for v in args.variants]
+    if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ("hybrid", "constrained") for v in variants):
+        raise ValueError(f"variants: expected MODE-ADMISSION (async|sync)-(hybrid|constrained), got {args.variants}")
+    print(f"scheduling benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, {args.requests} requests "
+          f"x ({args.prompt_len} + {args.output_len}) tokens, budget {args.kv_budget_blocks} pages")
+
+    def write(report):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    report = scheduling_benchmark(
+        args.model_shape, args.requests, args.prompt_len, args.output_len, args.kv_budget_blocks, args.block_size,
+        args.num_pages, args.num_query_slots, args.max_num_seqs, args.attention_backend, args.dtype,
+        args.prefill_tokens, args.prefill_seqs, args.metrics_interval_steps, args.seed, variants, not args.no_warmup,
+        args.compilation_cache_dir,
+        progress=lambda line: print(line, flush=True), on_result=write)
+    write(report)
+    if args.png:
+        plot_scheduling(report, args.png)
+    return report, None
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 Page 0 is the null page (padding writes land there) and is never handed out. A freed page whose contents are
 hashed stays findable until it is reused (LRU order), so a later request with the same prefix still hits.
+Pages released by a compression that runs after the step's other work (asynchronous compression) are
+*deferred*: they reach the free list only at the next step, so no step dispatched before that compression
+can write them while it still reads them.
 """
 
 import collections
@@ -32,6 +35,7 @@ class BlockManager:
         self.hash_to_page: dict[int, int] = {}
         self.free_pages: collections.OrderedDict[int, None] = collections.OrderedDict(
             (p, None) for p in range(1, num_pages))
+        self.deferred: dict[int, None] = {}  # unreferenced, not yet reusable (see the module docstring)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens served from the cache
 
@@ -60,14 +64,18 @@ class BlockManager:
 
     def _ref(self, page: int):
         if self.ref_count[page] == 0:
-            del self.free_pages[page]
+            if page in self.deferred:  # still readable: its contents change only once it is handed out
+                del self.deferred[page]
+            else:
+                del self.free_pages[page]
         self.ref_count[page] += 1
 
-    def match_prefix(self, request) -> int:
+    def match_prefix(self, request, limit: int | None = None) -> int:
         """Attach cached pages for the request's leading full pages; returns the number of tokens they cover.
 
         The page holding the last known token is never served from the cache: that token must be computed to
-        produce logits (and, with compression, the window queries).
+        produce logits. Nor is any page reaching past ``limit`` tokens (with compression: the start of the
+        window whose queries the first compression scores with).
         """
         assert not request.block_ids and request.num_computed_tokens == 0
         tokens = request.all_token_ids
@@ -75,7 +83,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         parent, hits, hashes = 0, [], []
-        for i in range((len(tokens) - 1) // self.block_size):
+        last = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
+        for i in range(last // self.block_size):
             parent = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)
             page = self.hash_to_page.get(parent)
@@ -102,6 +111,18 @@ class BlockManager:
         request.note_blocks()
         return True
 
+    def allocate_pages(self, n: int) -> list[int] | None:
+        """``n`` private pages (a swap-in target), or None when there are fewer free."""
+        if n > self.num_free_pages:
+            return None
+        return [self._take_free_page() for _ in range(n)]
+
+    def release_deferred(self):
+        """Make the pages of the compressions dispatched last step reusable (they run before anything new)."""
+        for page in self.deferred:
+            self.free_pages[page] = None
+        self.deferred.clear()
+
     def free(self, request):
         """Drop the request's references (last page first, so LRU eviction takes tails before heads)."""
         for page in reversed(request.block_ids):
@@ -115,11 +136,14 @@ class BlockManager:
             del self.hash_to_page[old]
             self.page_hash[page] = None
 
-    def _unref(self, page: int):
+    def _unref(self, page: int, defer: bool = False):
         self.ref_count[page] -= 1
         assert self.ref_count[page] >= 0, f"page {page} freed twice"
         if self.ref_count[page] == 0:
-            self.free_pages[page] = None
+            if defer:
+                self.deferred[page] = None
+            else:
+                self.free_pages[page] = None
 
     def _private(self, page: int) -> int:
         """The page itself if only this request holds it (it stops being a cache entry), else a fresh copy target."""
@@ -129,12 +153,13 @@ class BlockManager:
         self._unref(page)
         return self._take_free_page()
 
-    def plan_compression(self, request, budget: int):
+    def plan_compression(self, request, budget: int, defer: bool = False):
         """Pages for compacting the request into ``budget`` pages plus a recent page.
 
         Returns ``(src_pages, dst_pages)`` — the live pages read, the pages the kept slots are written to — or
         None when copy-on-write of shared pages needs more free pages than there are. Shared pages are only
-        read (they lose this request's reference); pages in between are released, still findable by hash.
+        read (they lose this request's reference); pages in between are released, still findable by hash
+        (deferred with ``defer``: the compression is dispatched after the step's other work).
         """
         src = list(request.block_ids)
         cow = sum(self.ref_count[p] > 1 for p in src[:budget]) + (self.ref_count[src[-1]] > 1)
@@ -143,7 +168,7 @@ class BlockManager:
         dst = [self._private(p) for p in src[:budget]]
         recent = self._private(src[-1])
         for page in src[budget:-1]:
-            self._unref(page)
+            self._unref(page, defer)
         request.block_ids = dst + [recent]
         request.page_hashes = []
         return src, dst
@@ -171,6 +196,8 @@ class BlockManager:
         for page in range(1, self.num_pages):
             assert self.ref_count[page] == owners.get(page, 0), f"page {page}: ref {self.ref_count[page]} " \
                                                                 f"!= owners {owners.get(page, 0)}"
-            assert (self.ref_count[page] == 0) == (page in self.free_pages), f"page {page} free-list mismatch"
+            assert (self.ref_count[page] == 0) == (page in self.free_pages or page in self.deferred), \
+                f"page {page} free-list mismatch"
+            assert not (page in self.free_pages and page in self.deferred), f"page {page} free and deferred"
         for h, page in self.hash_to_page.items():
             assert self.page_hash[page] == h

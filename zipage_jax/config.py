@@ -43,6 +43,12 @@ class EngineConfig:
     redundancy_weight: float = 0.8
     similarity_threshold: float = 0.5
     redundancy_temperature: float = 0.4
+    # Scheduling of compressed requests (DESIGN §3.6-3.7)
+    num_query_slots: int | None = None  # C; None = as many as the memory sizing allows
+    hybrid_admission: bool = True
+    async_compression: bool = True
+    max_compression_pages: int | None = None  # None = derived at start-up (see kv_cache.plan_memory)
+    metrics_interval_steps: int = 16
 
     def __post_init__(self):
         def check(ok, field, why):
@@ -96,6 +102,17 @@ class EngineConfig:
               "similarity_threshold", "must be in [-1, 1]")
         check(isinstance(self.redundancy_temperature, (int, float)) and self.redundancy_temperature > 0,
               "redundancy_temperature", "must be > 0")
+
+        check(self.num_query_slots is None or (is_int(self.num_query_slots)
+                                               and 1 <= self.num_query_slots <= self.max_num_seqs),
+              "num_query_slots", "must be None or an int in [1, max_num_seqs]")
+        for name in ("hybrid_admission", "async_compression"):
+            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(self.max_compression_pages is None or (is_int(self.max_compression_pages)
+                                                     and self.max_compression_pages >= 1),
+              "max_compression_pages", "must be a positive int or None")
+        check(is_int(self.metrics_interval_steps) and self.metrics_interval_steps >= 0,
+              "metrics_interval_steps", "must be an int >= 0 (0 = no history)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

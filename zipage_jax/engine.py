@@ -60,19 +60,20 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or limit
-        self.num_pages = kv_cache.num_pages_for(config, self.model_cfg, self.dtype, self.max_model_len)
+        backend = resolve_backend(config.attention_backend)
+        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend.name)
+        self.num_pages = self.sizing["num_pages"]
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = ShardedBackend(backend, self.mesh)
         self.runner = ModelRunner(config, self.model_cfg, self.params, self.num_pages, self.max_model_len,
-                                  self.dtype, backend, self.mesh, self.eos_token_ids)
+                                  self.dtype, backend, self.mesh, self.eos_token_ids,
+                                  self.sizing["num_query_slots"], self.sizing["max_compression_pages"])
         self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_num_prefill_seqs, config.compression, config.kv_budget_blocks)
+        self.scheduler = make_scheduler(config, self.block_manager, self.sizing)
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -82,9 +83,15 @@ class LLMEngine:
         self._seeds = itertools.count(config.seed * 1_000_003 + 1)
         self._rates = collections.deque()  # (time, prefill tokens, decode tokens)
         self.totals = collections.Counter()
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB), max_model_len %d", self.num_pages, config.block_size,
-                 self.num_pages * kv_cache.page_bytes(self.model_cfg, config.block_size, self.dtype) / 2**20,
-                 self.max_model_len)
+        self.history = MetricsHistory(config.metrics_interval_steps)
+        z = self.sizing
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query slots, max concurrency %d (%d compressed, "
+                 "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
+                 "scratch (%d pages per batch) from a %s budget", self.num_pages, config.block_size,
+                 z["pool_bytes"] / 2**20, z["num_query_slots"], z["max_concurrency"],
+                 z["max_compressed_concurrency"], z["full_length_concurrency"], self.max_model_len,
+                 z["reserved_step_scratch_bytes"] / 2**20, z["reserved_compression_scratch_bytes"] / 2**20,
+                 z["max_compression_pages"], z["budget_source"])
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -129,6 +136,8 @@ class LLMEngine:
         if budget * config.block_size < config.window + config.sink_tokens:
             raise ValueError(f"kv_budget_blocks: {budget} pages of {config.block_size} tokens cannot hold the "
                              f"protected window ({config.window}) and sinks ({config.sink_tokens})")
+        if budget + 1 > self.num_pages - 1:
+            raise ValueError(f"kv_budget_blocks: {budget} + 1 pages exceed the pool of {self.num_pages - 1}")
 
     def abort_request(self, request_id: str):
         request = self.requests.get(request_id)
@@ -145,14 +154,8 @@ class LLMEngine:
         """One engine step; returns the outputs of requests that advanced (or, with ``only_finished``, that ended:
         offline batches skip building cumulative outputs, which costs O(length) per request and step)."""
         scheduled = self.scheduler.schedule()
-        handles = []
-        if scheduled.compressions:  # before any step that reuses the pages it frees (same device stream)
-            self.runner.compress(scheduled.compressions)
-            self.totals["compressions"] += len(scheduled.compressions)
-        if scheduled.decodes:
-            handles.append(self.runner.decode(scheduled.decodes))
-        if scheduled.prefills:
-            handles.append(self.runner.prefill(scheduled.prefills))
+        handles = self.runner.execute(scheduled)
+        self.totals["compressions"] += len(scheduled.compressions)
         for handle in handles:
             for request in handle.requests:
                 if request is not None:
@@ -165,6 +168,8 @@ class LLMEngine:
         for request in changed.values():
             if request.status.finished:
                 self._trim_pending(request)
+        self.totals["steps"] += 1
+        self.history.maybe_sample(self)
         return [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
 
     def _read_back(self, handles) -> dict[str, Request]:
@@ -287,15 +292,64 @@ class LLMEngine:
             prompt_tokens_total=self.totals["prefill_tokens"], generation_tokens_total=self.totals["decode_tokens"],
             prefill_tokens_per_s=prefill / span if span else 0.0,
             decode_tokens_per_s=decode / span if span else 0.0,
-            compression_time_share=0.0,
+            compression_time_share=self.history.compression_share(self),
             num_requests_finished=self.totals["finished"],
             num_compressions=self.totals["compressions"],
             num_compiles=self.compile_counter.count,
+            num_stalled=self.scheduler.num_stalled, num_swapped=len(self.scheduler.swapped),
+            num_swaps=self.scheduler.num_swaps,
+            num_query_slots=self.scheduler.num_query_slots,
+            query_slots_used=self.scheduler.num_query_slots - len(self.scheduler.free_query_slots),
+            max_concurrency=self.sizing["max_concurrency"],
         )
+
+    def metrics_history(self) -> list[dict]:
+        """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
+        return list(self.history.samples)
 
     def warmup(self):
         """Compile every shape bucket now, so no request waits on a compile later."""
         self.runner.warmup()
+
+
+def make_scheduler(config: EngineConfig, block_manager: BlockManager, sizing: dict) -> Scheduler:
+    return Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_seqs,
+                     config.compression, config.kv_budget_blocks, sizing["num_query_slots"], config.window,
+                     config.hybrid_admission, config.async_compression, sizing["max_compression_pages"] or None)
+
+
+class MetricsHistory:
+    """Scheduler state over time: one sample every ``interval`` engine steps, rates over the last interval."""
+
+    MAX_SAMPLES = 4096
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.samples = collections.deque(maxlen=self.MAX_SAMPLES)
+        self.start = time.perf_counter()
+        self._last = (self.start, 0, 0.0)  # time, decode tokens, compression seconds
+
+    def compression_share(self, engine) -> float:
+        """Device seconds spent compressing per wall second since the engine started."""
+        return engine.runner.compression_seconds / max(time.perf_counter() - self.start, 1e-9)
+
+    def maybe_sample(self, engine):
+        steps = engine.totals["steps"]
+        if not self.interval or steps % self.interval:
+            return
+        now = time.perf_counter()
+        then, decoded, compressing = self._last
+        span = max(now - then, 1e-9)
+        s, bm = engine.scheduler, engine.block_manager
+        self.samples.append(dict(
+            time_s=now - self.start, step=steps, num_running=len(s.running), num_waiting=len(s.waiting),
+            num_stalled=s.num_stalled, num_swapped=len(s.swapped), kv_pages_used=bm.num_used_pages,
+            page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
+            query_slots_used=s.num_query_slots - len(s.free_query_slots),
+            decode_tokens_per_s=(engine.totals["decode_tokens"] - decoded) / span,
+            compression_time_share=(engine.runner.compression_seconds - compressing) / span,
+            num_preemptions=s.num_preemptions, num_swaps=s.num_swaps, num_compressions=engine.totals["compressions"]))
+        self._last = (now, engine.totals["decode_tokens"], engine.runner.compression_seconds)
 
 
 class LLM:

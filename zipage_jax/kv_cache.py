@@ -1,17 +1,13 @@
-"""The device KV pool and its sizing from a memory budget.
+"""The device KV pool, the compression state, and their sizing from a memory budget.
 
 Layout ``[L, num_pages, Hkv, S, D]`` for K and for V: a (page, head) tile is one contiguous ``S x D`` block,
 what both the TMA loads of the kernels and per-head compaction want. Page 0 is the null page.
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 
 from zipage_jax import sharding
-
-log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
@@ -22,38 +18,120 @@ def page_bytes(model_cfg, block_size: int, dtype, with_score: bool = False) -> i
     return slots * (2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if with_score else 0))
 
 
-def query_cache_bytes(model_cfg, config, dtype) -> int:
-    """The window-query ring of every token slot (plus the sink row), only with compression on."""
-    if not config.compression:
-        return 0
-    return (model_cfg.num_layers * (config.max_num_seqs + 1) * config.window * model_cfg.num_heads
-            * model_cfg.head_dim * jnp.dtype(dtype).itemsize)
+def query_slot_bytes(model_cfg, config, dtype) -> int:
+    """One row of the query cache: the last ``W`` post-RoPE queries of one request, all layers and heads."""
+    return model_cfg.num_layers * config.window * model_cfg.num_heads * model_cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def device_free_bytes(device, utilization: float) -> int:
-    """Memory the KV pool may take: ``utilization`` of the device limit minus what is already in use."""
+def device_free_bytes(device, utilization: float) -> int | None:
+    """Memory the engine's caches and step scratch may take: ``utilization`` of the device limit minus what is
+    already in use (weights); None where the device reports no limit (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
-        return CPU_DEFAULT_KV_BYTES
+        return None
     return int(stats["bytes_limit"] * utilization) - int(stats.get("bytes_in_use", 0))
 
 
-def num_pages_for(config, model_cfg, dtype, max_model_len: int, reserved_bytes: int = 0) -> int:
-    """Pool size in pages (null page included), never more than ``max_num_seqs`` full-length requests need."""
+def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_name: str) -> int:
+    """Upper estimate of the temporaries of the largest prefill or decode step (f32 activations).
+
+    The reference attention materialises, per request, the gathered K/V of its whole page table (in the pool
+    dtype and cast to f32) and, per query, f32 logits, masked logits and weights against them; the kernels
+    stream pages instead.
+    """
+    it = jnp.dtype(dtype).itemsize
+    c, span = model_cfg, -(-max_model_len // config.block_size) * config.block_size
+    tokens, rows = config.max_num_batched_tokens, config.max_num_prefill_seqs
+    width = (4 * c.hidden_size + 3 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * 4
+    queries = c.num_layers * tokens * c.num_heads * c.head_dim * it if config.compression else 0
+    sample = 16 * c.vocab_size * 4 + 4 * max_model_len * 4  # logits, sort keys/indices, penalty history
+    prefill = tokens * width + queries + rows * sample
+    decode = config.max_num_seqs * (width + sample)
+    if backend_name == "reference":
+        gathered = 2 * c.num_kv_heads * span * c.head_dim * (it + 4)
+        prefill += gathered + 3 * c.num_heads * tokens * span * 4
+        decode += config.max_num_seqs * (gathered + 3 * c.num_heads * span * 4)
+    return int(max(prefill, decode))
+
+
+def compression_scratch_bytes(model_cfg, config, dtype, pages: int) -> int:
+    """Upper estimate of the temporaries of one compression dispatch over ``pages`` (padded) source pages.
+
+    One layer at a time (see ``compression.step.compress``): the gathered keys, one window query's logits, a
+    handful of f32 score vectors and the redundancy similarities of one page against the rest, the kept K/V.
+    """
+    it = jnp.dtype(dtype).itemsize
+    c, slots = model_cfg, pages * config.block_size
+    per_slot = c.num_kv_heads * (3 * c.head_dim * it + 8 * 4 + config.block_size * 4) + 2 * c.num_heads * 4
+    history = slots * c.num_kv_heads * 4 * 2 if config.global_score else 0
+    return int(slots * per_slot + history)
+
+
+def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str = "reference") -> dict:
+    """Pool size, query slots ``C`` and concurrency from the memory budget (DESIGN §3.6).
+
+    With the budget taken from the device, the peak scratch of the largest step and of the largest compression
+    batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.
+    ``C = available / (page_bytes * (M + 1) + query_slot_bytes)``: every slot holder can reach its steady state
+    of ``M + 1`` pages; requests without a slot (hybrid admission) live on the remaining pages.
+    """
+    S, M = config.block_size, config.kv_budget_blocks
+    pages_per_seq = -(-max_model_len // S)
+    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.global_score)
+    slot = query_slot_bytes(model_cfg, config, dtype) if config.compression else 0
+    max_comp = 0
+    if config.compression:
+        max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, 64) * (M + 1))
+        if max_comp < pages_per_seq:
+            raise ValueError(f"max_compression_pages: {max_comp} cannot hold the {pages_per_seq} pages of one "
+                             f"request of max_model_len={max_model_len}")
+    step = step_scratch_bytes(model_cfg, config, dtype, max_model_len, backend_name)
+    comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp) if config.compression else 0
+    swap = (M + 1) * per_page + slot if config.compression else 0
+    reserved, source = 0, "num_gpu_blocks_override"
     if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    budget = config.kv_cache_memory_bytes
+        budget = None
+    elif config.kv_cache_memory_bytes is not None:
+        budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    else:
+        budget, source = device_free_bytes(jax.devices()[0], config.gpu_memory_utilization), "device"
+        if budget is None:
+            budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
+        else:
+            reserved = step + comp + swap
+    cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
-        budget = device_free_bytes(jax.devices()[0], config.gpu_memory_utilization) - reserved_bytes
-    budget -= query_cache_bytes(model_cfg, config, dtype)
-    per_page = page_bytes(model_cfg, config.block_size, dtype, config.compression and config.global_score)
-    pages_per_seq = -(-max_model_len // config.block_size)
-    num_pages = min(budget // per_page, config.max_num_seqs * pages_per_seq + 1)
-    if num_pages < pages_per_seq + 1:
-        raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes holds {budget // per_page} pages of "
-                         f"{per_page} bytes; one request of max_model_len={max_model_len} needs "
-                         f"{pages_per_seq + 1} (lower max_model_len or raise the budget)")
-    return int(num_pages)
+        num_pages = config.num_gpu_blocks_override
+        slots = config.num_query_slots or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
+    else:
+        available = budget - reserved
+        slots = 0
+        if config.compression:
+            slots = config.num_query_slots or min(config.max_num_seqs, max(0, available // ((M + 1) * per_page + slot)))
+        num_pages = min(max(0, available - (slots + 1) * slot) // per_page, cap)
+    if not config.compression:
+        slots = 0
+    if num_pages < pages_per_seq + 1 or (config.compression and slots < 1):
+        raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes ({source}, {reserved} reserved for "
+                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {slots} query slots; one "
+                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a slot "
+                         f"(lower max_model_len or raise the budget)")
+    compressed = min(slots, (num_pages - 1) // (M + 1)) if config.compression else 0
+    if not config.compression:
+        concurrency = config.max_num_seqs
+    elif config.hybrid_admission:
+        concurrency = config.max_num_seqs
+    else:
+        concurrency = slots
+    return dict(
+        budget_source=source, budget_bytes=budget, reserved_step_scratch_bytes=step if reserved else 0,
+        reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
+        step_scratch_bytes=step, compression_scratch_bytes=comp,
+        page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
+        query_slot_bytes=slot, num_query_slots=int(slots), query_cache_bytes=(slots + 1) * slot if slot else 0,
+        max_compression_pages=int(max_comp), pages_per_seq=pages_per_seq,
+        max_concurrency=int(concurrency), max_compressed_concurrency=int(compressed),
+        full_length_concurrency=int(min(config.max_num_seqs, (num_pages - 1) // pages_per_seq)))
 
 
 def allocate_pool(model_cfg, num_pages: int, block_size: int, dtype, pool_sharding=None):
@@ -68,11 +146,12 @@ def allocate_pool(model_cfg, num_pages: int, block_size: int, dtype, pool_shardi
     return make()
 
 
-def allocate_compression_state(model_cfg, config, num_pages: int, dtype, mesh):
-    """Query cache ``[L, C+1, W, Hq, D]`` and score cache ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
+def allocate_compression_state(model_cfg, config, num_pages: int, num_query_slots: int, dtype, mesh):
+    """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of slot-less rows) and score cache
+    ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
     layers = model_cfg.num_layers
     if config.compression:
-        q_shape = (layers, config.max_num_seqs + 1, config.window, model_cfg.num_heads, model_cfg.head_dim)
+        q_shape = (layers, num_query_slots + 1, config.window, model_cfg.num_heads, model_cfg.head_dim)
     else:
         q_shape = (1, 1, 1, 1, 1)
     if config.compression and config.global_score:

@@ -8,6 +8,7 @@ PENDING = -1  # placeholder for a token sampled on the device but not read back 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # compressed, its pages and window queries held in host memory until it resumes
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -40,8 +41,12 @@ class Request:
         self.page_hashes: list[int] = []  # chain hashes of the leading full pages (prefix cache)
         self.status = RequestStatus.WAITING
         self.token_slot: int | None = None  # row of the device token buffer while running
+        self.query_slot: int | None = None  # row of the query cache; needed before the window of a compression
+        self.swap_pages = 0  # pages held in host memory while swapped out
+        self.swap_state = None  # those pages' K/V/scores and the window queries (host arrays)
         self.peak_blocks = 0
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.num_evicted = 0  # tokens dropped by compression: physical length = computed - evicted
         self.num_compressions = 0
         self.peak_blocks_after_compression = 0

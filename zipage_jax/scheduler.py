@@ -1,12 +1,30 @@
 """Continuous batching on the host: decodes first, then chunked prefills under a per-step token budget.
 
-Admission is FIFO. When pages run out, the most recently admitted running request is preempted (its pages are
-freed and it is recomputed later from its known tokens); no new request is admitted in a step that preempted.
-With compression on, a request that holds at least ``M+1`` full pages and needs another is compressed first:
-it keeps ``M`` pages of selected slots plus a recent page, so after its first compression it never holds more
-than ``M+1`` pages.
+Admission is FIFO; swapped-out requests come back before anything new is admitted. When pages run out, the
+most recently admitted running request not yet scheduled this step is preempted: an uncompressed one is freed
+and recomputed later from its known tokens (exact), a compressed one (which cannot be recomputed) is swapped
+out to host memory and back. No request is admitted in a step that preempted.
+
+Compression (DESIGN §3.6-3.7). A request that holds at least ``M+1`` full pages and needs another is compressed
+first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the end of
+the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
+recomputation and chunking never move it; after it, a request is due again every page. Compression scores with
+the request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots;
+so a request must hold a slot before it computes any of the last ``W`` tokens before its first compression
+point, and keeps it until it ends. With hybrid admission, a request without a slot runs until then and stalls
+there until a slot frees (front-most first); a prefill chunk is cut short at that point instead. Without it
+(constrained admission) a request gets its slot on admission or waits. A slot is granted only while the
+``M+1`` steady-state pages of all holders fit in the pool (per-request budgets). The prefix cache never serves
+the pages of that window (their queries must be computed).
+
+The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
+rest stall a step). Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
+requests are left out of this step's decode (they decode next step, after their compression in device stream
+order), and the pages it releases are deferred to the next step. Synchronous mode: the batch runs first, the
+host waits for it, and its requests decode in the same step.
 """
 
+import bisect
 import collections
 import dataclasses
 
@@ -36,41 +54,70 @@ class Compression:
 
 
 @dataclasses.dataclass
+class SwapOut:
+    request: Request
+    pages: list[int]  # its pages, already released on the host: copy them before anything reuses them
+    query_slot: int
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     decodes: list[Request]
     prefills: list[PrefillChunk]
     preempted: list[Request]
     compressions: list[Compression] = dataclasses.field(default_factory=list)
+    swap_outs: list[SwapOut] = dataclasses.field(default_factory=list)
+    swap_ins: list[Request] = dataclasses.field(default_factory=list)  # block_ids / query_slot already new
+    stalled: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.compressions and not self.swap_ins
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_prefill_seqs: int, compression: bool = False, kv_budget_blocks: int = 8):
+                 max_num_prefill_seqs: int, compression: bool = False, kv_budget_blocks: int = 8,
+                 num_query_slots: int | None = None, window: int = 16, hybrid_admission: bool = True,
+                 async_compression: bool = True, max_compression_pages: int | None = None):
         self.block_manager = block_manager
         self.compression = compression
         self.kv_budget_blocks = kv_budget_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
+        self.window = window
+        self.hybrid_admission = hybrid_admission
+        self.async_compression = async_compression
+        self.max_compression_pages = max_compression_pages
+        self.num_query_slots = (num_query_slots or max_num_seqs) if compression else 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # in arrival order
         self.free_token_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.free_query_slots = list(range(self.num_query_slots - 1, -1, -1))
+        self.committed_pages = 0  # sum of M+1 over the slot holders
         self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_stalled = 0  # requests that could not advance in the last step (slot or compression bound)
+        self._scheduled: set[int] = set()
 
     def add(self, request: Request):
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def budget(self, request: Request) -> int:
+        return request.kv_budget(self.kv_budget_blocks)
 
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.block_manager.release_deferred()  # last step's compressions precede everything dispatched now
         out = SchedulerOutput([], [], [])
+        self._scheduled = set()
         budget = self.max_num_batched_tokens
+        compression_pages = 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -78,28 +125,96 @@ class Scheduler:
             if request.reached_max_tokens or todo < 1 or (todo > 1 and len(out.prefills) >= self.max_num_prefill_seqs):
                 i += 1  # waiting for its last token to come back, or no prefill row left this step
                 continue
-            num_new = 1 if todo == 1 else min(todo, budget)
-            if todo == 1 and self._due_for_compression(request) and not self._compress_or_preempt(request, out):
-                continue  # the request preempted itself
+            num_new = 1 if todo == 1 else self._prefill_size(request, todo, budget)
+            if self.compression and request.query_slot is None:
+                end = self.slotless_end(request, request.num_computed_tokens + num_new)
+                if end < request.num_computed_tokens + num_new and not self._grant_slot(request):
+                    num_new = end - request.num_computed_tokens if todo > 1 else 0
+                    if num_new <= 0:  # stalled at its window until a slot frees
+                        out.stalled.append(request)
+                        i += 1
+                        continue
+            if todo == 1 and self._due_for_compression(request):
+                pages = len(request.block_ids)
+                if self.max_compression_pages is not None and out.compressions \
+                        and compression_pages + pages > self.max_compression_pages:
+                    out.stalled.append(request)  # the batch is full; compressed next step
+                    i += 1
+                    continue
+                if not self._compress_or_preempt(request, out):
+                    continue  # the request preempted itself
+                compression_pages += pages
+                self._scheduled.add(id(request))
+                if self.async_compression:
+                    i += 1  # not decoded until its compression has run: next step
+                    continue
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request preempted itself; running[i] is now the next one
             if todo == 1:
                 out.decodes.append(request)
             else:
                 out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
+            self._scheduled.add(id(request))
             request.num_computed_tokens += num_new
             budget -= num_new
             i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._swap_in(out)
+            if not self.swapped:
+                self._admit(out, budget)
+        self.num_stalled = len(out.stalled)
         return out
 
+    # -- query slots -------------------------------------------------------------------------------------
+    def first_due(self, request: Request) -> int:
+        """Length at which the request is first compressed: the end of its prompt's last page, at least M+1 pages.
+
+        A function of the prompt alone, so chunking and recomputation never move it: prefill chunks stop there.
+        """
+        size = self.block_manager.block_size
+        return size * max(self.budget(request) + 1, -(-len(request.prompt_token_ids) // size))
+
+    def needs_slot(self, request: Request, end: int) -> bool:
+        """Whether computing up to length ``end`` writes into the window of the first compression (compressed
+        requests always hold a slot)."""
+        return request.compressed or end > self.first_due(request) - self.window
+
+    def slotless_end(self, request: Request, end: int) -> int:
+        """The largest length ``<= end`` an uncompressed request can reach without a query slot."""
+        return min(end, self.first_due(request) - self.window)
+
+    def _prefill_size(self, request: Request, todo: int, budget: int) -> int:
+        """Tokens of the next chunk: the budget, and never past the first compression point."""
+        n = min(todo, budget)
+        if self.compression and not request.compressed:
+            n = min(n, self.first_due(request) - request.num_computed_tokens)
+        assert n >= 1
+        return n
+
+    def _grant_slot(self, request: Request) -> bool:
+        need = self.budget(request) + 1
+        if not self.free_query_slots or self.committed_pages + need > self.block_manager.num_pages - 1:
+            return False
+        request.query_slot = self.free_query_slots.pop()
+        self.committed_pages += need
+        return True
+
+    def _release_query_slot(self, request: Request):
+        if request.query_slot is not None:
+            self.free_query_slots.append(request.query_slot)
+            self.committed_pages -= self.budget(request) + 1
+            request.query_slot = None
+
+    # -- pages -------------------------------------------------------------------------------------------
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
-        """Preempt one request not yet scheduled this step; uncompressed ones first (recompute is exact for them)."""
-        scheduled = {id(r) for r in out.decodes} | {id(c.request) for c in out.prefills}
-        candidates = [r for r in reversed(self.running) if id(r) not in scheduled]
-        victim = next((r for r in candidates if not r.compressed), candidates[0])
-        self.preempt(victim)
+        """Preempt the tail-most request not yet scheduled this step: recompute it, or swap it out if compressed.
+        Returns False when that was ``request`` itself."""
+        victim = next(r for r in reversed(self.running) if id(r) not in self._scheduled)
+        if victim.compressed:
+            out.swap_outs.append(SwapOut(victim, list(victim.block_ids), victim.query_slot))
+            self.swap_out(victim)
+        else:
+            self.preempt(victim)
         out.preempted.append(victim)
         return victim is not request
 
@@ -110,14 +225,16 @@ class Scheduler:
         return True
 
     def _due_for_compression(self, request: Request) -> bool:
-        """All pages full, at least M+1 of them, and the next token needs a new one."""
+        """All pages full, at least M+1 of them, the next token needs a new one, and the prompt's pages are done."""
         pages = len(request.block_ids)
-        return (self.compression and pages >= request.kv_budget(self.kv_budget_blocks) + 1
-                and request.num_physical_tokens == pages * self.block_manager.block_size)
+        return (self.compression and pages >= self.budget(request) + 1
+                and request.num_physical_tokens == pages * self.block_manager.block_size
+                and (request.compressed or request.num_computed_tokens >= self.first_due(request)))
 
     def _compress_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
-        budget = request.kv_budget(self.kv_budget_blocks)
-        while (plan := self.block_manager.plan_compression(request, budget)) is None:
+        assert request.query_slot is not None, "compression without a query slot"
+        budget = self.budget(request)
+        while (plan := self.block_manager.plan_compression(request, budget, self.async_compression)) is None:
             if not self._preempt_for(request, out):
                 return False
         src, dst = plan
@@ -127,23 +244,52 @@ class Scheduler:
         request.note_blocks()
         return True
 
+    # -- admission ---------------------------------------------------------------------------------------
+    def _start(self, request: Request):
+        request.status = RequestStatus.RUNNING
+        request.token_slot = self.free_token_slots.pop()
+        self.running.append(request)
+
+    def _swap_in(self, out: SchedulerOutput):
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            if request.num_pending or not self._grant_slot(request):
+                break  # its last token is still in flight, or no slot: it comes back first, later
+            pages = self.block_manager.allocate_pages(request.swap_pages)
+            if pages is None:
+                self._release_query_slot(request)
+                break
+            self.swapped.pop(0)
+            request.block_ids = pages
+            request.note_blocks()
+            self._start(request)
+            out.swap_ins.append(request)
+
     def _admit(self, out: SchedulerOutput, budget: int):
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token still in flight; it is known by the next step
-            if not request.block_ids:
-                self.block_manager.match_prefix(request)
+            if not request.block_ids:  # the window of the first compression is always computed
+                limit = self.first_due(request) - self.window if self.compression else None
+                self.block_manager.match_prefix(request, limit)
             todo = request.num_tokens - request.num_computed_tokens
-            num_new = min(todo, budget)
+            num_new = self._prefill_size(request, todo, budget)
+            if self.compression:
+                end = request.num_computed_tokens + num_new
+                slotless = self.slotless_end(request, end) if self.hybrid_admission else request.num_computed_tokens
+                if slotless < end and not self._grant_slot(request):
+                    num_new = slotless - request.num_computed_tokens
+                    if num_new <= 0:
+                        self._release_pages(request)
+                        break
             if not self.block_manager.allocate(request, num_new):
+                self._release_query_slot(request)
                 self._release_pages(request)
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.token_slot = self.free_token_slots.pop()
-            self.running.append(request)
+            self._start(request)
             out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             request.num_computed_tokens += num_new
             budget -= num_new
@@ -154,26 +300,42 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_evicted = 0
 
-    def _release_slot(self, request: Request):
+    def _release_slots(self, request: Request):
         if request.token_slot is not None:
             self.free_token_slots.append(request.token_slot)
             request.token_slot = None
+        self._release_query_slot(request)
 
     def preempt(self, request: Request):
         """Free the request's pages; it goes back to the front of the queue and is recomputed."""
+        assert not request.compressed, "a compressed request cannot be recomputed exactly: swap it out"
         self.running.remove(request)
         self._release_pages(request)
-        self._release_slot(request)
+        self._release_slots(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def swap_out(self, request: Request):
+        """Release the compressed request's pages and slots; the caller copies their contents to the host first."""
+        self.running.remove(request)
+        request.swap_pages = len(request.block_ids)
+        self.block_manager.free(request)
+        self._release_slots(request)
+        request.status = RequestStatus.SWAPPED
+        request.num_swaps += 1
+        self.num_swaps += 1
+        bisect.insort(self.swapped, request, key=lambda r: r.arrival)
 
     def finish(self, request: Request, status: RequestStatus):
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+            request.swap_state = None
         self._release_pages(request)
-        self._release_slot(request)
+        self._release_slots(request)
         request.status = status

@@ -68,6 +68,11 @@ ENGINE_OPTIONS = {
     "redundancy_weight": (float, "weight of the redundancy penalty (1 - lambda)"),
     "similarity_threshold": (float, "cosine similarity above which keys count as duplicates"),
     "redundancy_temperature": (float, "softmax temperature of the redundancy penalty"),
+    "num_query_slots": (int, "query slots C (requests that may reach a compression); None: sized from memory"),
+    "hybrid_admission": (bool, "admit requests without a query slot until they would need one"),
+    "async_compression": (bool, "dispatch compressions without waiting for them"),
+    "max_compression_pages": (int, "most source pages in one compression batch; None: sized from memory"),
+    "metrics_interval_steps": (int, "engine steps between metrics-history samples (0: none)"),
 }
 
 

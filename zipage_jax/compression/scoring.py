@@ -1,6 +1,7 @@
 """Per-slot eviction scores of Compressed PagedAttention (DESIGN §3.4) for one layer of a batch of requests.
 
-Every function works on a layer's already-gathered request data: keys ``[B, Hkv, N, D]`` over ``N = P * S``
+Every function but ``paged_window_attention`` (which reads the pool pages, like the backends' fused kernel)
+works on a layer's already-gathered request data: keys ``[B, Hkv, N, D]`` over ``N = P * S``
 physical slots, of which the first ``num_live = num_src_pages * S`` are live (the rest is table padding).
 Scores are f32; whatever the knobs, the last ``window`` live slots and the first ``sink_tokens`` are
 protected (+inf) and everything outside the live range, or in a padding row, is -inf.
@@ -10,6 +11,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.reference import gather_request_kv
 
 POLICIES = ("zipage", "window")
 REDUNDANCY_MODES = ("off", "lightning", "full")
@@ -77,6 +80,17 @@ def window_attention(keys, queries, num_live, sm_scale):
     return total / window
 
 
+def paged_window_attention(k_pool, layer, page_tables, num_live, queries, sm_scale):
+    """``window_attention`` of the requests in ``page_tables [B, P]`` of one pool layer: the jnp path (CPU and
+    oracle) of the backends' fused ``window_scores`` kernel, same signature."""
+    return window_attention(gather_request_kv(k_pool, layer, page_tables), queries, num_live, sm_scale)
+
+
+def window_scorer(backend):
+    """The attention backend's fused window-attention kernel (its ``window_scores``) if it has one, else jnp."""
+    return getattr(backend, "window_scores", None) or paged_window_attention
+
+
 def global_scores(attention, history, has_history, decay):
     """G = max(A, decay * G_old) where the slot has history (``has_history [B, N]``), else A."""
     return jnp.where(has_history[:, None, :], jnp.maximum(attention, decay * history), attention)
@@ -138,16 +152,16 @@ def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
     return _masked_softmax(raw / temperature[:, None, None], live[:, None, :])
 
 
-def zipage_scores(keys, queries, history, num_src_pages, compressed_before, page_size, cfg, sm_scale):
+def zipage_scores(attention, keys, history, num_src_pages, compressed_before, page_size, cfg):
     """``(score, G)``, each ``[B, Hkv, N]``, of the "zipage" policy before protection.
 
-    ``history [B, Hkv, N]`` is the score cache at the request's slots, used only where it is meaningful:
-    the request was compressed before and the slot is not in its last, fresh page. G is the global score
-    (before pooling and redundancy): what the score cache keeps for the next compression.
+    ``attention`` is A (``window_attention``); ``keys [B, Hkv, N, D]`` are read only for redundancy (pass None
+    when it is off). ``history [B, Hkv, N]`` is the score cache at the request's slots, used only where it is
+    meaningful: the request was compressed before and the slot is not in its last, fresh page. G is the
+    global score (before pooling and redundancy): what the score cache keeps for the next compression.
     """
-    num_slots = keys.shape[2]
+    num_slots = attention.shape[2]
     num_live = num_src_pages * page_size
-    attention = window_attention(keys, queries, num_live, sm_scale)
     if cfg.global_score:
         fresh_from = (num_src_pages - 1) * page_size
         has_history = compressed_before[:, None] & (jnp.arange(num_slots)[None, :] < fresh_from[:, None])

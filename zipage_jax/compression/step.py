@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels.reference import gather_request_kv
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
 from zipage_jax.compression.scoring import (
-    POLICIES, REDUNDANCY_MODES, ScoringConfig, protect, recency_scores, zipage_scores,
+    POLICIES, REDUNDANCY_MODES, ScoringConfig, protect, recency_scores, window_scorer, zipage_scores,
 )
 from zipage_jax.compression.selection import select_slots
 
@@ -56,54 +56,60 @@ def _check(k_pool, score_cache, query_cache, plan, cfg):
                          f"({cfg.window + cfg.sink_tokens}) <= kept < {num_slots} source slots")
 
 
-def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale):
-    """Gather one layer's request data from the caches and score it: ``(final, G)``, each ``[B, Hkv, N]``."""
+def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend):
+    """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``."""
     batch, num_pages_per_row = plan.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
+    num_slots = num_pages_per_row * page_size
     if cfg.policy == "window":
-        score = recency_scores(batch, num_kv_heads, num_pages_per_row * page_size)
+        score = recency_scores(batch, num_kv_heads, num_slots)
         history = jnp.zeros_like(score)
     else:
-        keys = gather_request_kv(k_pool, layer, plan.src_tables)  # [B, Hkv, N, D]
         ring = (plan.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
         queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
+        attention = window_scorer(backend)(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size,
+                                           queries, sm_scale)
+        keys = gather_request_kv(k_pool, layer, plan.src_tables) if cfg.redundancy != "off" else None
         history = None
         if cfg.tracks_history:
-            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(keys.shape[:3])
-        score, history = zipage_scores(keys, queries, history, plan.num_src_pages, plan.compressed_before,
-                                       page_size, cfg, sm_scale)
+            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(attention.shape)
+        score, history = zipage_scores(attention, keys, history, plan.num_src_pages, plan.compressed_before,
+                                       page_size, cfg)
     return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
 
 
-def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale):
+def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale, backend=None):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
     _check(k_pool, score_cache, query_cache, plan, cfg)
     per_layer = jax.lax.map(
-        lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale)[0],
+        lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)[0],
         jnp.arange(k_pool.shape[0]),
     )
     return per_layer.transpose(1, 0, 2, 3)
 
 
-def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cfg: ScoringConfig, sm_scale):
+def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cfg: ScoringConfig, sm_scale,
+             backend=None):
     """Compress every valid request of ``plan``: per (layer, KV head) keep the top ``M * S`` slots.
 
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
-    nor written (it may then be a placeholder of any shape). Jit with ``cfg`` static and the three caches
-    donated. Every valid row must have ``num_src_pages >= M + 1`` full pages.
+    nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the attention
+    backend: its fused window-scores kernel if it has one, else jnp) static and the three caches donated.
+    Every valid row must have ``num_src_pages >= M + 1`` full pages.
 
-    Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): the request keys
-    ``B*Hkv*N*D*it`` with one window query's logits ``B*Hq*N*4`` and a few ``B*Hkv*N*4`` score vectors;
-    redundancy adds ``B*Hkv*S*S*4`` (lightning) or ``B*Hkv*N*S*4`` (full) per column page; then the kept K
-    and V ``2*B*Hkv*M*S*D*it``. Nothing scales with ``W * Hq * N``.
+    Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
+    score vectors; with the jnp window attention, one window query's logits ``B*Hq*N*4`` and the request
+    keys ``B*Hkv*N*D*it`` (the kernel reads the pool pages instead: ``pallas_kernels.scoring``); redundancy
+    gathers the keys and adds ``B*Hkv*S*S*4`` (lightning) or ``B*Hkv*N*S*4`` (full) per column page; then the
+    kept K and V ``2*B*Hkv*M*S*D*it``. Nothing scales with ``W * Hq * N``.
     """
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
-        scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale)
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)
         kept = select_slots(scores, keep)  # [B, Hkv, keep]
         k_kept = gather_slots(k_pool, layer, kept, plan.src_tables)
         v_kept = gather_slots(v_pool, layer, kept, plan.src_tables)

@@ -68,12 +68,15 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, mask=None) -> jax.Array:
-    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal (or `mask` [T,T]), GQA by grouping query heads, f32 softmax."""
+    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal (or `mask` [T,T] / [B,T,T]), GQA by grouping query
+    heads, f32 softmax."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
     causal = jnp.tril(jnp.ones((t, t), dtype=bool)) if mask is None else mask
+    if causal.ndim == 3:  # per row: broadcast over the KV heads and their query groups
+        causal = causal[:, None, None]
     scores = jnp.where(causal, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v, preferred_element_type=jnp.float32)
@@ -85,10 +88,14 @@ def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions
     """Causal forward over whole sequences without a cache: tokens [B,T] -> logits [B,T,V] float32.
 
     Differentiable and jit-friendly (`cfg` must be static). `positions` [B,T] or [T] defaults to 0..T-1.
-    `attention_mask` [T,T] (query, key) replaces the causal mask, e.g. to express which tokens an eviction kept.
+    `attention_mask` [T,T] or per row [B,T,T] (query, key) replaces the causal mask, e.g. to express which
+    tokens an eviction kept.
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if attention_mask is not None and attention_mask.shape not in ((tokens.shape[1],) * 2, (*tokens.shape, tokens.shape[1])):
+        raise ValueError(f"attention_mask must be [T, T] or [B, T, T] for tokens {tokens.shape}, "
+                         f"got shape {attention_mask.shape}")
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     positions = jnp.broadcast_to(positions, tokens.shape)

@@ -1,0 +1,33 @@
+"""CPU smoke test of the kernel benchmark's compression section (tiny shapes, scoring kernel interpreted):
+every row is measured without error and the kernel agrees with the jnp scoring."""
+
+import json
+
+import pytest
+
+from pallas_kernels import bench
+
+
+def test_compression_section_runs_on_cpu(tmp_path):
+    out = tmp_path / "compression.json"
+    bench.main(["--sections", "compression", "--comp-model-shape", "tiny", "--comp-batch", "2",
+                "--comp-budget", "2", "--comp-page", "64", "--comp-reps", "1", "--interpret", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r]
+    parts = {(r["part"], r["impl"]) for r in rows}
+    assert parts == {("scoring_one_layer", "kernel"), ("scoring_one_layer", "jnp"), ("scoring_one_layer", "kernel_s3"),
+                     ("scoring_one_layer", "kernel_b64"),
+                     ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
+                     ("compress_step", "kernel"), ("compress_step", "jnp"), ("compress_step", "kernel_no_redundancy"),
+                     ("decode_step", "forward_paged")}
+    scoring = [r for r in rows if r["part"] == "scoring_one_layer"]
+    assert all(r["ok"] and r["rel_err"] <= bench.MAX_REL_ERR and r["scratch_bytes"] > 0 for r in scoring)
+    assert all(r["rel_err_ragged"] <= bench.MAX_REL_ERR for r in scoring if r["impl"] != "jnp")
+    decode = next(r for r in rows if r["part"] == "decode_step")
+    assert {"ratio_kernel", "ratio_jnp", "ratio_kernel_no_redundancy"} <= set(decode)
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_unknown_section_raises():
+    with pytest.raises(ValueError, match="sections"):
+        bench.main(["--sections", "nope"])

@@ -1,0 +1,99 @@
+"""Memory sizing (DESIGN §3.6): pool size, query slots C and concurrency from a byte budget, with the peak step
+and compression scratch reserved; the scratch estimates bound what XLA actually allocates."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zipage_jax import LLM, kv_cache, packing
+from zipage_jax.compression import CompressionPlan
+from zipage_jax.config import EngineConfig
+from zipage_jax.models.config import ModelConfig
+
+MODEL = "tests/fixtures/hf/qwen3_untied"
+CFG = ModelConfig.from_pretrained(MODEL)
+
+
+def config(**kwargs):
+    opts = dict(model=MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+                compression=True, kv_budget_blocks=2, compilation_cache_dir=None)
+    opts.update(kwargs)
+    return EngineConfig(**opts)
+
+
+def shapes_bytes(m, c, itemsize):
+    """Independent arithmetic from the array shapes: one page of K, V (+ f32 score) and one query-cache row."""
+    page = np.prod([m.num_layers, m.num_kv_heads, c.block_size, m.head_dim]) * itemsize * 2
+    page += np.prod([m.num_layers, m.num_kv_heads, c.block_size]) * 4 if c.global_score else 0
+    slot = np.prod([m.num_layers, c.window, m.num_heads, m.head_dim]) * itemsize
+    return int(page), int(slot)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_slots=3)])
+def test_pool_and_query_slots_from_a_byte_budget(kwargs):
+    rng = np.random.default_rng()
+    c = config(kv_cache_memory_bytes=int(rng.integers(320_000, 700_000)), **kwargs)
+    plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
+    page, slot = shapes_bytes(CFG, c, 4)
+    slots = c.num_query_slots or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
+    pages = (c.kv_cache_memory_bytes - (slots + 1) * slot) // page
+    assert (plan["page_bytes"], plan["query_slot_bytes"]) == (page, slot)
+    assert (plan["num_query_slots"], plan["num_pages"]) == (slots, pages)
+    assert plan["pool_bytes"] + plan["query_cache_bytes"] <= c.kv_cache_memory_bytes
+    assert plan["max_compressed_concurrency"] == min(slots, (pages - 1) // 3)
+    assert plan["reserved_step_scratch_bytes"] == 0  # an explicit pool budget reserves nothing
+
+
+def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
+    budget = 5_000_000
+    monkeypatch.setattr(kv_cache, "device_free_bytes", lambda device, utilization: budget)
+    c = config()
+    plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
+    reserved = plan["step_scratch_bytes"] + plan["compression_scratch_bytes"] + plan["reserved_swap_bytes"]
+    assert plan["reserved_step_scratch_bytes"] > 0 and plan["reserved_compression_scratch_bytes"] > 0
+    page, slot = shapes_bytes(CFG, c, 4)
+    assert plan["reserved_swap_bytes"] == 3 * page + slot
+    assert plan["num_query_slots"] == min(8, (budget - reserved) // (3 * page + slot))
+    assert plan["pool_bytes"] + plan["query_cache_bytes"] + reserved <= budget
+    hybrid, constrained = plan, kv_cache.plan_memory(config(hybrid_admission=False), CFG, jnp.float32, 256)
+    assert hybrid["max_concurrency"] == 8 and constrained["max_concurrency"] == constrained["num_query_slots"]
+
+
+def test_bad_budgets_and_bounds_raise():
+    with pytest.raises(ValueError, match="max_compression_pages"):
+        kv_cache.plan_memory(config(max_compression_pages=15), CFG, jnp.float32, 256)  # one request has 16
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        kv_cache.plan_memory(config(kv_cache_memory_bytes=50_000), CFG, jnp.float32, 256)
+    for bad in (dict(num_query_slots=0), dict(num_query_slots=9), dict(hybrid_admission=1),
+                dict(async_compression="yes"), dict(max_compression_pages=0), dict(metrics_interval_steps=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            config(**bad)
+
+
+def test_scratch_estimates_bound_what_xla_allocates():
+    llm = LLM(MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+              compression=True, kv_budget_blocks=2, compilation_cache_dir=None, max_compression_pages=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert engine.sizing["num_query_slots"] == 8 and llm.metrics()["max_concurrency"] == 8
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    caches = [spec(x) for x in (runner.k_pool, runner.v_pool, runner.score_cache, runner.query_cache)]
+    for rows, width in ((4, 16), (16, 3)):
+        plan = CompressionPlan(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
+                               dst_tables=np.zeros((rows, 2), np.int32), query_slots=np.zeros(rows, np.int32),
+                               logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
+                               valid=np.zeros(rows, bool))
+        packed, plan_spec = packing.pack(plan)
+        compiled = runner._compress.lower(*caches, jnp.asarray(packed), spec=plan_spec).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes <= kv_cache.compression_scratch_bytes(
+            engine.model_cfg, engine.config, engine.dtype, rows * width)
+    recorded = []
+    jitted = runner._jitted
+    runner._jitted = lambda *args, **kwargs: recorded.append((args, kwargs)) or jitted(*args, **kwargs)
+    runner.prefill([], 128, runner.prefill_row_sizes[-1])
+    runner.decode([], runner.decode_sizes[-1])
+    runner._jitted = jitted
+    bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, engine.dtype, 256, "reference")
+    for args, kwargs in recorded:
+        compiled = jitted.lower(*[jax.tree.map(spec, a) for a in args], **kwargs).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes <= bound

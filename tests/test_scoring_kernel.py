@@ -1,0 +1,143 @@
+"""The compression-scoring kernel under Mosaic GPU interpret mode (CPU) against the jnp window attention.
+
+Fresh random inputs each run (the seed is in the failure message); interpret mode fills every buffer it
+allocates (the kernel's output included) with NaN, so a live slot the kernel never writes fails.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.reference import gather_request_kv
+from pallas_kernels.scoring import window_scores
+from zipage_jax.attention import ReferenceBackend, resolve_backend
+from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, slot_scores
+from zipage_jax.compression.scoring import paged_window_attention, window_attention, window_scorer
+
+INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
+
+
+def random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim, num_kv_heads=2, layers=2):
+    """A bf16 pool with the requests' live slots on distinct shuffled pages (unused entries: null page 0)."""
+    needed = [-(-n // page_size) for n in num_live]
+    num_pages = sum(needed) + 3
+    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages, num_kv_heads, page_size, head_dim)), jnp.bfloat16)
+    ids = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(num_live), pages_per_row), np.int32)
+    start = 0
+    for row, n in enumerate(needed):
+        tables[row, :n] = ids[start:start + n]
+        start += n
+    queries = rng.standard_normal((len(num_live), window, num_kv_heads * group, head_dim))
+    return k_pool, jnp.asarray(tables), jnp.asarray(num_live, jnp.int32), jnp.asarray(queries, jnp.bfloat16)
+
+
+SCORE_CASES = [
+    # group, window, page_size, head_dim, block_kv, num_stages, num_live, pages_per_row
+    (4, 16, 16, 64, 64, 2, [80, 0, 37], 6),     # a block spans 4 pages; padding row; partial recent page
+    (1, 8, 64, 128, 64, 3, [192, 3], 3),        # one page per block; a row shorter than the window
+    (8, 16, 128, 64, 64, 2, [300], 3),          # 2 query tiles; a block is half a page; partial last block
+]
+
+
+@pytest.mark.parametrize("group,window,page_size,head_dim,block_kv,num_stages,num_live,pages_per_row", SCORE_CASES)
+def test_window_scores_match_jnp(group, window, page_size, head_dim, block_kv, num_stages, num_live, pages_per_row):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    k_pool, tables, lens, queries = random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim)
+    scale = head_dim ** -0.5
+    out = np.asarray(window_scores(k_pool, 1, tables, lens, queries, scale, block_kv=block_kv,
+                                   num_stages=num_stages, interpret=INTERPRET))
+    ref = np.asarray(window_attention(gather_request_kv(k_pool, 1, tables), queries, lens, scale))
+    assert out.shape == ref.shape == (len(num_live), 2, pages_per_row * page_size) and out.dtype == np.float32
+    assert np.isfinite(out).all(), f"seed {seed}: non-finite scores (unwritten slots?)"
+    assert np.abs(ref).max() > 0
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+    dead = np.arange(out.shape[-1])[None, :] >= np.asarray(num_live)[:, None]
+    assert (out.transpose(1, 0, 2)[:, dead] == 0).all()
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretedKernelBackend(ReferenceBackend):
+    """The reference backend plus the scoring kernel in interpret mode: the wiring of the mosaic backends."""
+
+    name = "interpreted_kernel"
+
+    def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
+        return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, interpret=INTERPRET)
+
+
+def test_compress_with_the_kernel_equals_jnp():
+    """Scores and compacted caches through the kernel backend equal the jnp path (default knobs, GQA)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    page, budget, window, hkv, group, dim = 16, 2, 8, 2, 4, 64
+    num_src = np.array([3, 4, 3, 0])  # a first compression of 4 pages; a padding row
+    k_pool, tables, _, _ = random_problem(rng, list(num_src * page), 5, group, window, page, dim)
+    layers, num_pages = k_pool.shape[:2]
+    v_pool = jnp.asarray(rng.standard_normal(k_pool.shape), jnp.bfloat16)
+    score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
+    query_cache = jnp.asarray(rng.standard_normal((layers, 5, window, hkv * group, dim)), jnp.bfloat16)
+    plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
+                           dst_tables=tables[:, :budget], query_slots=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                           logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
+                           compressed_before=jnp.asarray([True, False, True, False]),
+                           valid=jnp.asarray(num_src > 0))
+    cfg = ScoringConfig(window=window, sink_tokens=1)
+    scale = dim ** -0.5
+    kernel_backend = InterpretedKernelBackend()
+    got = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, backend=kernel_backend)
+    want = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale)
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+    run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, plan, cfg, scale)
+    (k_got, v_got, s_got), (k_want, v_want, s_want) = run(backend=kernel_backend), run()
+    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"seed {seed}")  # same kept set
+    np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(s_got), np.asarray(s_want), rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+
+
+def test_window_scorer_picks_the_backend_kernel():
+    assert window_scorer(None) is paged_window_attention
+    assert window_scorer(resolve_backend("reference")) is paged_window_attention
+    assert window_scorer(resolve_backend("mosaic")).__func__.__name__ == "window_scores"
+
+
+@pytest.mark.parametrize("bad", ["window", "dtype", "num_live", "queries"])
+def test_window_scores_rejects_bad_input(bad):
+    rng = np.random.default_rng()
+    k_pool, tables, lens, queries = random_problem(rng, [32, 16], 2, 2, 8, 16, 64)
+    if bad == "window":
+        queries = queries[:, :6]
+    elif bad == "dtype":
+        k_pool = k_pool.astype(jnp.float32)
+    elif bad == "num_live":
+        lens = lens[:1]
+    else:
+        queries = queries[..., :32]
+    with pytest.raises(ValueError, match=bad):
+        window_scores(k_pool, 0, tables, lens, queries, 0.1, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("group,window,head_dim,page_size,block_kv", [
+    (4, 16, 128, 256, 64),    # Qwen3-8B compression shapes
+    (4, 16, 128, 256, 128),
+    (8, 32, 64, 16, 64),
+    (1, 8, 128, 64, 128),
+])
+def test_window_scores_lower_for_hopper(group, window, head_dim, page_size, block_kv):
+    """Mosaic GPU layout inference runs at lowering, so layout errors show up on CPU without a GPU."""
+    pool = jax.ShapeDtypeStruct((2, 33, 2, page_size, head_dim), jnp.bfloat16)
+    queries = jax.ShapeDtypeStruct((4, window, 2 * group, head_dim), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    fn = functools.partial(window_scores, layer=1, sm_scale=0.1, block_kv=block_kv)
+    lowered = jax.jit(lambda *a, **kw: fn(*a, **kw)).trace(
+        pool, page_tables=i32(4, 8), num_live=i32(4), queries=queries).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()

@@ -1,0 +1,55 @@
+"""Training rows of the tiny model: loss weights and visibility masks against plain numpy constructions."""
+
+import numpy as np
+import pytest
+
+from zipage_jax.tasks import sample_problems
+from zipage_jax.tasks.tokenizer import PAD_ID, encode_chat
+from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, encode_batch, sample_visibility,
+                                            visibility_mask)
+
+
+def test_loss_weights_cover_the_assistant_and_weight_the_answer():
+    problems = sample_problems(3, seed=int(np.random.default_rng().integers(1 << 30)), split="train")
+    tokens, weights = encode_batch(problems, answer_weight=7.5)
+    assert tokens.shape == (3, SEQ_LEN) and weights.shape == (3, SEQ_LEN - 1)
+    for row, p in enumerate(problems):
+        ids = encode_chat(p.question, p.solution())
+        assert tokens[row, : len(ids)].tolist() == ids and (tokens[row, len(ids):] == PAD_ID).all()
+        text = p.solution() + "#"  # '#' stands for the closing <|im_end|>
+        prompt = len(encode_chat(p.question))
+        expected = np.zeros(SEQ_LEN - 1)
+        for i, ch in enumerate(text):  # target position prompt + i is predicted at prompt + i - 1
+            expected[prompt + i - 1] = 7.5 if i >= text.index("\\boxed") else 1.0
+        np.testing.assert_array_equal(weights[row], expected)
+    with pytest.raises(ValueError, match="answer_weight"):
+        encode_batch(problems, answer_weight=0.0)
+
+
+def test_visibility_mask_matches_a_loop():
+    rng = np.random.default_rng()
+    window = rng.integers(1, 12, size=3)
+    keep = rng.random((3, 10)) < 0.3
+    expected = np.zeros((3, 10, 10), bool)
+    for b in range(3):
+        for q in range(10):
+            for k in range(q + 1):
+                expected[b, q, k] = q - k < window[b] or keep[b, k]
+    np.testing.assert_array_equal(np.asarray(visibility_mask(window, keep)), expected)
+
+
+def test_eviction_rows_keep_the_operands_a_window_and_nothing_in_full_rows_is_hidden():
+    rng = np.random.default_rng()
+    problems = sample_problems(40, seed=int(rng.integers(1 << 30)), split="train")
+    window, keep = sample_visibility(problems, rng, evict_fraction=0.5)
+    evicted = window < SEQ_LEN
+    assert 0 < evicted.sum() < len(problems)  # 40 rows at p = 0.5: both kinds present (fails with p ~ 2e-12)
+    assert keep[~evicted].all()
+    assert ((window[evicted] >= WINDOW_RANGE[0]) & (window[evicted] <= WINDOW_RANGE[1])).all()
+    for row in np.flatnonzero(evicted):
+        prompt = np.array(encode_chat(problems[row].question))
+        digits = np.isin(prompt, DIGIT_IDS)
+        assert digits.sum() == 7 and keep[row, : len(prompt)][digits].all()  # 5 digits of A, 2 of B
+    assert not keep[evicted, 64:].all()  # some older token is hidden somewhere
+    with pytest.raises(ValueError, match="evict_fraction"):
+        sample_visibility(problems, rng, evict_fraction=1.5)
