@@ -10,7 +10,9 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
     PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/stage1 --lr 1.5e-3 --evict-fraction 0 \
         --answer-weight 1 --train-seconds 370 --steps 6000
     PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init /tmp/stage1 \
-        --batch 128 --lr 1e-3 --warmup 100 --train-seconds 360 --steps 6000
+        --batch 128 --lr 1e-3 --warmup 100 --steps 1880
+
+(the second stage ran as `bash scripts/gpu_train_and_eval.sh`: --train-seconds 380 chose 1880 steps at 195 ms).
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
 --train-seconds) reproduces a run exactly.

@@ -15,9 +15,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import window_scores
-from zipage_jax.attention import ReferenceBackend, resolve_backend
+from zipage_jax import attention, weights
+from zipage_jax.attention import ReferenceBackend, ShardedBackend, resolve_backend
+from zipage_jax.bench import MODEL_SHAPES, BenchEngine
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, slot_scores
 from zipage_jax.compression.scoring import paged_window_attention, window_attention, window_scorer
+from zipage_jax.config import EngineConfig
+from zipage_jax.request import Request
+from zipage_jax.sampling import SamplingParams
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
 
@@ -108,6 +113,48 @@ def test_window_scorer_picks_the_backend_kernel():
     assert window_scorer(None) is paged_window_attention
     assert window_scorer(resolve_backend("reference")) is paged_window_attention
     assert window_scorer(resolve_backend("mosaic")).__func__.__name__ == "window_scores"
+    # tensor parallel: the sharded wrapper has no kernel of its own, so compression scores with jnp
+    assert window_scorer(ShardedBackend(resolve_backend("mosaic"), mesh=None)) is paged_window_attention
+
+
+def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
+    """The runner hands its backend to the compression step: the kernel path gives the jnp path's tokens
+    (a tiny bf16 model with the kernel's head dim 64; several compressions per request, a first one of 4 pages)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setitem(attention.BACKENDS, InterpretedKernelBackend.name, InterpretedKernelBackend)
+    traced = []  # the kernel's traces: the compression step really scores through the backend's kernel
+    kernel_scores = InterpretedKernelBackend.window_scores
+    monkeypatch.setattr(InterpretedKernelBackend, "window_scores",
+                        lambda self, *args: traced.append(1) or kernel_scores(self, *args))
+    model_cfg = dataclasses.replace(MODEL_SHAPES["tiny"], head_dim=64, dtype="bfloat16")
+    params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.bfloat16)
+    prompts = [rng.integers(0, model_cfg.vocab_size, size=n).tolist() for n in (60, 20)]
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
+
+    def generate(backend_name):
+        config = EngineConfig(model="random:tiny", dtype="bfloat16", block_size=16, max_model_len=128,
+                              max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=24,
+                              attention_backend=backend_name, enable_prefix_caching=False,
+                              compilation_cache_dir=None, compression=True, kv_budget_blocks=2, window=8,
+                              sink_tokens=1)
+        engine = BenchEngine(config, model_cfg, params)
+        engine.finish_at_max_tokens = True
+        requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]
+        for r in requests:
+            engine.scheduler.add(r)
+        compressions = 0
+        while engine.scheduler.has_work() or engine.in_flight:
+            compressions += len(engine.step()[0].compressions)
+        engine.drain()
+        return [r.output_token_ids for r in requests], compressions
+
+    got, got_compressions = generate(InterpretedKernelBackend.name)
+    assert traced
+    want, want_compressions = generate("reference")
+    assert got_compressions == want_compressions >= 4
+    assert all(len(t) == sampling.max_tokens for t in want)
+    assert got == want, f"seed {seed}"
 
 
 @pytest.mark.parametrize("bad", ["window", "dtype", "num_live", "queries"])

@@ -82,8 +82,9 @@ def _step(params, k_pool, v_pool, query_cache, token_buffer, packed, *, spec, mo
     return k_pool, v_pool, query_cache, token_buffer, tokens, logprobs
 
 
-def _compress_step(k_pool, v_pool, score_cache, query_cache, packed, *, spec, cfg, sm_scale):
-    return compress(k_pool, v_pool, score_cache, query_cache, packing.unpack(packed, spec), cfg, sm_scale)
+def _compress_step(k_pool, v_pool, score_cache, query_cache, packed, *, spec, cfg, sm_scale, backend):
+    return compress(k_pool, v_pool, score_cache, query_cache, packing.unpack(packed, spec), cfg, sm_scale,
+                    backend=backend)
 
 
 def _swap_gather(k_pool, v_pool, score_cache, query_cache, pages, query_slot, *, history):
@@ -123,7 +124,7 @@ class ModelRunner:
             model_cfg, config, num_pages, self.num_query_slots, dtype, mesh)
         self.scoring = scoring_config(config)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
-                                                   sm_scale=model_cfg.head_dim ** -0.5),
+                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
                                  static_argnames=("spec",), donate_argnums=(0, 1, 2))
         history = config.compression and config.global_score
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
@@ -287,6 +288,8 @@ class ModelRunner:
             dst[i] = c.dst_pages
             num_src[i], query_slots[i], logical[i] = len(c.src_pages), c.request.query_slot, c.logical_len
             before[i], valid[i] = c.compressed_before, True
+        targets = dst[valid]  # the compaction's scatter assumes distinct real pages (unique_indices)
+        assert targets.min(initial=1) > 0 and len(np.unique(targets)) == targets.size, "overlapping dst pages"
         plan = CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
                                logical_lens=logical, compressed_before=before, valid=valid)
         packed, spec = packing.pack(plan)

@@ -19,12 +19,16 @@ def gather_slots(cache, layer, slots, tables):
 def scatter_slots(cache, layer, values, dst_tables, valid):
     """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``.
 
-    Rows not ``valid`` write nothing at all (not even to the null page).
+    Rows not ``valid`` write nothing at all (not even to the null page). The valid rows' dst pages must be
+    distinct (within and across rows; the block manager's own / copy-on-write pages are): every written
+    (page, head, slot) is then unique, so the scatter is declared ``unique_indices`` (plain stores instead of
+    GPU atomics). Invalid rows get distinct out-of-range pages, dropped, so they keep the indices unique.
     """
     num_pages, page_size = cache.shape[1], cache.shape[3]
     slots = jnp.arange(values.shape[2])
-    pages = jnp.where(valid[:, None], dst_tables[:, slots // page_size], num_pages)  # out of range: dropped
+    spare = num_pages + jnp.arange(dst_tables.size, dtype=dst_tables.dtype).reshape(dst_tables.shape)
+    pages = jnp.where(valid[:, None], dst_tables, spare)[:, slots // page_size]  # spare pages: out of range
     heads = jnp.arange(values.shape[1])[None, :, None]
     return cache.at[layer, pages[:, None, :], heads, (slots % page_size)[None, None, :]].set(
-        values.astype(cache.dtype), mode="drop"
+        values.astype(cache.dtype), mode="drop", unique_indices=True
     )
