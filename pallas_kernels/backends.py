@@ -1,4 +1,5 @@
-"""Kernel-backed attention backends, registered with ``zipage_jax.attention`` on import (GPU only)."""
+"""Kernel-backed attention backends, registered with ``zipage_jax.attention``: the Mosaic ones on import, the
+Triton one by ``register_triton`` (jax-triton is an optional extra, so CPU installs never import it)."""
 
 import dataclasses
 
@@ -32,3 +33,30 @@ class MosaicBackend(MosaicDecodeBackend):
 
     def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
         return ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBackend(ReferenceBackend):
+    """Ampere (sm_80+): Triton paged decode and ragged prefill kernels through jax-triton; jnp compression
+    scoring; KV write as the inherited in-place XLA scatter."""
+
+    name = "triton"
+
+    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        from pallas_kernels.triton_decode import paged_decode as triton_decode
+        return triton_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        from pallas_kernels.triton_prefill import ragged_prefill as triton_prefill
+        return triton_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+
+def register_triton():
+    """Register ``triton`` if its kernel modules import (they need jax-triton and triton)."""
+    try:
+        import pallas_kernels.triton_decode  # noqa: F401
+        import pallas_kernels.triton_prefill  # noqa: F401
+    except ImportError as e:
+        raise ValueError("attention_backend: 'triton' needs jax-triton and triton "
+                         f"(pip install 'zipage_jax[ampere]'); import failed: {e}") from e
+    register_backend(TritonBackend)

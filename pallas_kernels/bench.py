@@ -4,7 +4,9 @@
 (relative error <= 1e-2, bf16) and times it over a grid of decode shapes (effective KV bandwidth = KV bytes
 read / time, and TFLOP/s), then causal prefill of whole prompts (TFLOP/s, causal FLOPs counted exactly).
 Timings chain ``reps`` calls inside one jitted loop (each call's output is the next call's query), so launch
-gaps count but host dispatch does not.
+gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels, the Triton kernels (``triton``,
+and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Triton ``paged_attention``
+(decode), the XLA reference and cuDNN over dense copies of the KV.
 
 ``--sections compression`` benchmarks one compression of a batch of requests (DESIGN §3) at a model's shapes
 with random weights and KV: the scoring kernel against its jnp reference (one layer), compaction variants
@@ -69,12 +71,26 @@ def make_case(key, batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, n
     return q, k_pool, v_pool, tables.astype(jnp.int32)
 
 
+# Triton rows: compiled for the present GPU, and for sm_80 (the Ampere code: mma.sync and cp.async, no wgmma or
+# TMA) run on it, the nearest this bench gets to an A100 on an H200.
+TRITON_TARGETS = {"triton": None, "triton_sm80": 80}
+
+
+def triton_kernel(module, name):
+    """A Triton kernel imported at first use, so a missing jax-triton is one row's error, not the run's."""
+    import importlib
+    return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
+
+
 def implementations(layer, scale, page_size, pages_per_row, variants):
     """name -> (q, state) -> out; ``state`` holds the pools, lengths, tables and per-baseline layout copies."""
     impls = {}
     for name, kwargs in variants.items():
         impls[name] = (lambda kw: lambda q, st: paged_decode(
             q, st["k"], st["v"], layer, st["lens"], st["tables"], scale, **kw))(kwargs)
+    for name, capability in TRITON_TARGETS.items():
+        impls[name] = (lambda cc: lambda q, st: triton_kernel("triton_decode", "paged_decode")(
+            q, st["k"], st["v"], layer, st["lens"], st["tables"], scale, compute_capability=cc))(capability)
     impls["xla_ref"] = lambda q, st: paged_decode_ref(q, st["k"], st["v"], layer, st["lens"], st["tables"], scale)
 
     from jax.experimental.pallas.ops.gpu import paged_attention as triton_paged
@@ -132,7 +148,7 @@ def bench_decode(args):
             def measure(row, name=name, fn=fn):
                 jitted = jax.jit(fn)
                 row["rel_err"] = rel_err(jitted(q, state), ref)
-                if name.startswith("mosaic"):
+                if name.startswith(("mosaic", "triton")):
                     out = jitted(q, ragged_state)
                     row["rel_err_ragged"] = rel_err(out, ref_ragged)
                     row["ragged_empty_rows_zero"] = bool(
@@ -178,6 +194,9 @@ def bench_prefill(args):
         impls = {
             "mosaic": lambda q, st: ragged_prefill(q, st["k"], st["v"], layer, st["cu"], st["lens"], st["tables"],
                                                    scale),
+            **{name: (lambda cc: lambda q, st: triton_kernel("triton_prefill", "ragged_prefill")(
+                q, st["k"], st["v"], layer, st["cu"], st["lens"], st["tables"], scale, compute_capability=cc))(cc)
+               for name, cc in TRITON_TARGETS.items()},
             "xla_ref": lambda q, st: ragged_prefill_ref(q, st["k"], st["v"], layer, st["cu"], st["lens"],
                                                         st["tables"], scale),
             "cudnn_dense": lambda q, st: jax.nn.dot_product_attention(

@@ -17,10 +17,10 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from pallas_kernels.paged_decode import _check_inputs, default_num_splits, merge_splits
+from pallas_kernels.paged_decode import _check_inputs, merge_splits
+from pallas_kernels.triton_sizing import decode_splits, group_rows
 
 _LOG2E = math.log2(math.e)
-MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 
 
 @triton.jit
@@ -80,14 +80,8 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    max_blocks = -(-page_tables.shape[1] * page_size // block_n)
-    if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, max_blocks)
-    if not 1 <= num_splits <= max_blocks:
-        raise ValueError(f"num_splits must be in [1, {max_blocks}], got {num_splits}")
-    split_slots = -(-max_blocks // num_splits) * block_n
+    num_splits, split_slots = decode_splits(batch, num_kv_heads, page_tables.shape[1], page_size, block_n,
+                                            num_splits)
     o_parts, lse_parts = jt.triton_call(
         jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
         q, k_pool, v_pool,
@@ -97,7 +91,7 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         grid=(batch, num_kv_heads, num_splits),
         num_warps=num_warps, num_stages=num_stages, compute_capability=compute_capability,
         num_pages=k_pool.shape[1], num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim,
-        group=group, group_pad=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
+        group=group, group_pad=group_rows(group),
         table_width=page_tables.shape[1], block_n=block_n, split_slots=split_slots, num_splits=num_splits,
         scale_log2=float(sm_scale) * _LOG2E)
     return merge_splits(o_parts, lse_parts).reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.ragged_prefill import _check_inputs
+from pallas_kernels.triton_sizing import check_block, chunk_tiles
 
 _LOG2E = math.log2(math.e)
 
@@ -95,23 +96,6 @@ def _prefill_kernel(layer_ref, cu_ref, lens_ref, tables_ref, tile_request_ref, t
         tl.store(o_ref + rows[:, None] * head_dim + d[None, :], out.to(o_ref.dtype.element_ty), mask=valid[:, None])
 
 
-def chunk_tiles(cu_q_lens, num_tokens, block_m):
-    """Static-size tiling of the packed rows into ``block_m``-row tiles inside single chunks.
-
-    Returns ``(tile_request [N], tile_row0 [N])`` with ``N = cdiv(T, block_m) + R``; ``tile_row0`` counts rows
-    from the chunk's start, and unused tiles get one at or past their request's chunk length.
-    """
-    num_requests = cu_q_lens.shape[0] - 1
-    num_tiles = -(-num_tokens // block_m) + num_requests
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    tile_end = jnp.cumsum((q_lens + block_m - 1) // block_m)
-    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_request = jnp.clip(jnp.searchsorted(tile_end, tiles, side="right"), 0, num_requests - 1).astype(jnp.int32)
-    tile_start = tile_end - (q_lens + block_m - 1) // block_m
-    tile_row0 = ((tiles - tile_start[tile_request]) * block_m).astype(jnp.int32)
-    return tile_request, tile_row0
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "block_n", "num_warps", "num_stages",
                                              "compute_capability"))
 def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_m=128,
@@ -121,9 +105,8 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     ``compute_capability`` (e.g. 80) compiles for an older GPU than the one present; None targets the device.
     """
     _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables)
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    check_block("block_m", block_m)
+    check_block("block_n", block_n)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     cu_q_lens = cu_q_lens.astype(jnp.int32)

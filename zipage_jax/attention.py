@@ -1,4 +1,5 @@
-"""One attention interface, several implementations: the jnp reference and Mosaic GPU kernels (Hopper).
+"""One attention interface, several implementations: the jnp reference, Mosaic GPU kernels (Hopper) and Triton
+kernels (Ampere).
 
 A backend is a frozen, field-less dataclass, so it is hashable and can be a static argument of the jitted
 steps. All backends share the semantics of ``pallas_kernels.reference``.
@@ -71,11 +72,11 @@ def register_backend(cls):
 
 
 def resolve_backend(name: str = "auto"):
-    """Pick the backend: ``auto`` → Mosaic GPU kernels on Hopper+, the jnp reference on CPU."""
+    """Pick the backend: ``auto`` → Mosaic GPU kernels on Hopper+, Triton kernels on Ampere, jnp on CPU."""
     if name == "auto":
         name = default_backend_name(jax.devices()[0])
     if name not in BACKENDS:
-        _load_kernel_backends()
+        _load_kernel_backends(name)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: unknown or unavailable backend {name!r}; have {sorted(BACKENDS)}")
     return BACKENDS[name]()
@@ -86,12 +87,17 @@ def default_backend_name(device) -> str:
         return "reference"
     capability = getattr(device, "compute_capability", "0")
     major = int(str(capability).split(".")[0] or 0)
-    if major < 9:
-        raise ValueError(f"attention_backend: auto found compute capability {capability}; the Mosaic GPU kernels "
-                         "need Hopper (9.0+); pass attention_backend='reference' on older GPUs")
-    return "mosaic"
+    if major >= 9:
+        return "mosaic"
+    if major == 8:
+        return "triton"
+    raise ValueError(f"attention_backend: auto found compute capability {capability}; the kernels need Ampere "
+                     "(8.0+); pass attention_backend='reference' on older GPUs")
 
 
-def _load_kernel_backends():
-    """Import kernel modules lazily (registers mosaic / mosaic_decode)."""
-    import pallas_kernels.backends  # noqa: F401
+def _load_kernel_backends(name: str):
+    """Import kernel modules lazily: mosaic / mosaic_decode always, triton (needs jax-triton) only when asked."""
+    import pallas_kernels.backends as kernel_backends
+
+    if name == "triton":
+        kernel_backends.register_triton()
