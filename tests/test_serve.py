@@ -227,7 +227,7 @@ def test_chat_equals_offline_generation_of_the_chat_template(live, model, engine
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_seeded_choices_use_seed_plus_index(live, model, reference, stream):
-    prompt, n, seed = "abcdefghijklmnopqrstuvwxyz", 4, 1234
+    prompt, n, seed = "What is 12345*", 4, 1234  # an unfinished question: the model is unsure what comes next
     wants = [offline(reference, prompt, temperature=1.0, seed=seed + i, max_tokens=30)[0] for i in range(n)]
     assert len({w.text for w in wants}) > 1, "the oracle's seeds must give distinct choices"
     kw = dict(model=model, prompt=prompt, n=n, seed=seed, temperature=1.0, max_tokens=30)
