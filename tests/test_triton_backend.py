@@ -20,6 +20,7 @@ from pallas_kernels.triton_sizing import chunk_tiles, decode_splits, group_rows
 from zipage_jax import attention
 from zipage_jax.attention import BACKENDS, ReferenceBackend, default_backend_name, resolve_backend
 from zipage_jax.compression.scoring import paged_window_attention, window_scorer
+from test_kernels import assert_close  # the kernels' shared bf16 check (tests/ is on sys.path under pytest)
 
 needs_triton_gpu = pytest.mark.skipif(
     jax.default_backend() != "gpu" or importlib.util.find_spec("jax_triton") is None,
@@ -148,13 +149,6 @@ def random_case(rng, kv_lens, page_size, num_kv_heads, head_dim, num_layers=2):
 
 def poison_freed_memory(nbytes=1 << 28):
     jnp.full((nbytes // 4,), jnp.nan, jnp.float32).block_until_ready()  # freed at once, NaN left behind
-
-
-def assert_close(out, ref, seed):
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out).all(), f"seed {seed}: non-finite output (unwritten rows?)"
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
-    assert err < 1e-2, f"seed {seed}: relative error {err}"
 
 
 DECODE_CASES = [
