@@ -3,8 +3,10 @@ Triton one by ``register_triton`` (jax-triton is an optional extra, so CPU insta
 
 import dataclasses
 
+from pallas_kernels.compaction import compact_slots
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
+from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.scoring import window_scores
 from zipage_jax.attention import ReferenceBackend, register_backend
 
@@ -12,8 +14,8 @@ from zipage_jax.attention import ReferenceBackend, register_backend
 @register_backend
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeBackend(ReferenceBackend):
-    """Hopper: the Mosaic GPU paged decode and compression-scoring kernels; XLA prefill; KV write as an
-    in-place XLA scatter."""
+    """Hopper: the Mosaic GPU paged decode and compression kernels (window attention, lightning redundancy,
+    in-place compaction); XLA prefill; KV write as an in-place XLA scatter."""
 
     name = "mosaic_decode"
 
@@ -22,6 +24,12 @@ class MosaicDecodeBackend(ReferenceBackend):
 
     def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
         return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale)
+
+    def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
+        return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold)
+
+    def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
+        return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid)
 
 
 @register_backend

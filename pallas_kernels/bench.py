@@ -9,7 +9,8 @@ and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Tri
 (decode), the XLA reference and cuDNN over dense copies of the KV.
 
 ``--sections compression`` benchmarks one compression of a batch of requests (DESIGN §3) at a model's shapes
-with random weights and KV: the scoring kernel against its jnp reference (one layer), compaction variants
+with random weights and KV: the scoring kernels (window attention, lightning redundancy) against their jnp
+references (one layer), compaction variants
 (one layer), the whole jitted compression step (kernel and jnp scoring) against one decode forward of the
 same requests over the same pool, and the scratch memory of each. Every row records its error instead of
 stopping the run.
@@ -28,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.compaction import compact_slots
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
+from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv, paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.scoring import default_block_kv, scratch_bytes, smem_bytes, window_scores
 
@@ -229,10 +232,18 @@ def compression_shapes():
 
 @dataclasses.dataclass(frozen=True)
 class InterpretedScoring:
-    """A backend offering only the scoring kernel, run in interpret mode: the kernel path of ``compress`` on CPU."""
+    """A backend offering only the scoring kernels, run in interpret mode: the kernel path of ``compress`` on CPU."""
 
     def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
         return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale,
+                             interpret=plgpu.InterpretGPUParams())
+
+    def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
+        return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold,
+                                  interpret=plgpu.InterpretGPUParams())
+
+    def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
+        return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid,
                              interpret=plgpu.InterpretGPUParams())
 
 
@@ -292,7 +303,7 @@ def bench_compression(args):
     from zipage_jax import weights
     from zipage_jax.attention import resolve_backend
     from zipage_jax.compression import ScoringConfig, compress, gather_slots, scatter_slots, select_slots
-    from zipage_jax.compression.scoring import paged_window_attention
+    from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
     from zipage_jax.models import PagedBatch, forward_paged
 
     model_cfg = compression_shapes()[args.comp_model_shape]
@@ -366,6 +377,31 @@ def bench_compression(args):
 
             rows.append(record(dict(shape_row, part="scoring_one_layer", impl=name), measure, args.verbose))
 
+        threshold = cfg.similarity_threshold
+        redundancy_impls = {
+            "kernel": lambda layer, k: lightning_row_sums(k, layer, plan.src_tables, plan.num_src_pages, threshold,
+                                                          interpret=interpret),
+            "kernel_s2": lambda layer, k: lightning_row_sums(k, layer, plan.src_tables, plan.num_src_pages, threshold,
+                                                             num_stages=2, interpret=interpret),
+            "jnp": lambda layer, k: redundancy_row_sums(gather_request_kv(k, layer, plan.src_tables), num_live,
+                                                        page_size, cfg),
+        }
+        ref = jax.jit(functools.partial(redundancy_impls["jnp"], 1))(case["k_pool"])
+        for name, fn in redundancy_impls.items():
+            def measure(row, fn=fn):
+                one = jax.jit(functools.partial(fn, 1))
+                row["rel_err"] = rel_err(one(case["k_pool"]), ref)
+                chain = jax.jit(lambda k: jax.lax.fori_loop(
+                    0, args.comp_reps, lambda i, acc: acc + fn(i % num_layers, k).sum(), 0.0))
+                chain(case["k_pool"]).block_until_ready()
+                start = time.perf_counter()
+                chain(case["k_pool"]).block_until_ready()
+                sec = (time.perf_counter() - start) / args.comp_reps
+                row.update(ms=sec * 1e3, tb_s=k_bytes / sec / 1e12, ok=row["rel_err"] <= MAX_REL_ERR,
+                           temp_bytes=temp_bytes(one.lower(case["k_pool"]).compile()))
+
+            rows.append(record(dict(shape_row, part="redundancy_one_layer", impl=name), measure, args.verbose))
+
         kept = select_slots(jax.random.uniform(jax.random.key(7), (batch, hkv, (budget + 1) * page_size)),
                             budget * page_size)
         live_tables = plan.src_tables[:, :budget + 1]
@@ -382,7 +418,12 @@ def bench_compression(args):
                 return pool.at[layer, plan.dst_tables].set(pages)
             return one(k), one(v)
 
-        for name, compact in (("xla_slot_gather_scatter", slot_compaction), ("xla_page_scatter", page_compaction)):
+        def kernel_compaction(row_group):
+            return lambda k, v, layer: compact_slots(k, v, layer, kept, live_tables, plan.dst_tables, plan.valid,
+                                                     row_group=row_group, interpret=interpret)
+
+        for name, compact in (("mosaic_in_place", kernel_compaction(8)), ("mosaic_in_place_g16", kernel_compaction(16)),
+                              ("xla_slot_gather_scatter", slot_compaction), ("xla_page_scatter", page_compaction)):
             def measure(row, compact=compact):
                 reps = args.comp_reps
                 chain = jax.jit(lambda k, v: jax.lax.fori_loop(0, reps, lambda i, kv: compact(*kv, i % num_layers),

@@ -159,3 +159,31 @@ def test_last_known_token_is_never_served_from_the_cache():
 def test_num_pages_below_two_raises():
     with pytest.raises(ValueError, match="num_pages"):
         BlockManager(1, BLOCK)
+
+
+def test_copy_on_write_target_is_never_read_by_another_compression_of_the_step():
+    """The compaction kernel runs a batch's requests concurrently and in place, so a page released by one
+    compression must not become another's copy-on-write target in the same step; next step it may."""
+    bm = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    owner = Request("owner", list(range(4)) + [50, 51, 52, 53], PARAMS, 0)
+    bm.match_prefix(owner)
+    assert bm.allocate(owner, 8)
+    owner.num_computed_tokens = 8
+    bm.register_full_pages(owner)
+    sharer = Request("sharer", list(range(4)) + [60, 61, 62, 63, 64, 65, 66, 67], PARAMS, 1)
+    assert bm.match_prefix(sharer) == 4  # its first page is the owner's
+    assert bm.allocate(sharer, 8)
+    other = Request("other", list(range(100, 112)), PARAMS, 2)
+    bm.match_prefix(other)
+    assert bm.allocate(other, 12)
+    assert bm.num_free_pages == 0
+    src, dst = bm.plan_compression(other, budget=1)  # releases its middle page (sync: straight to the free list)
+    released = src[1]
+    assert dst == src[:1] and bm.num_free_pages == 1 and released in bm.free_pages
+    assert bm.plan_compression(sharer, budget=1) is None  # the only free page is still read this step
+    bm.check_invariants([owner, sharer, other])
+    bm.release_deferred()  # the next step
+    shared_page = sharer.block_ids[0]
+    src, dst = bm.plan_compression(sharer, budget=1)
+    assert src[0] == shared_page and dst == [released] and bm.ref_count[shared_page] == 1
+    bm.check_invariants([owner, sharer, other])

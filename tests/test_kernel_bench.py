@@ -17,12 +17,17 @@ def test_compression_section_runs_on_cpu(tmp_path):
     parts = {(r["part"], r["impl"]) for r in rows}
     assert parts == {("scoring_one_layer", "kernel"), ("scoring_one_layer", "jnp"), ("scoring_one_layer", "kernel_s3"),
                      ("scoring_one_layer", "kernel_b64"),
-                     ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
+                     ("redundancy_one_layer", "kernel"), ("redundancy_one_layer", "kernel_s2"),
+                     ("redundancy_one_layer", "jnp"),
+                     ("compaction_one_layer", "mosaic_in_place"),
+                     ("compaction_one_layer", "mosaic_in_place_g16"), ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
                      ("compress_step", "kernel"), ("compress_step", "jnp"), ("compress_step", "kernel_no_redundancy"),
                      ("decode_step", "forward_paged")}
     scoring = [r for r in rows if r["part"] == "scoring_one_layer"]
     assert all(r["ok"] and r["rel_err"] <= bench.MAX_REL_ERR and r["scratch_bytes"] > 0 for r in scoring)
     assert all(r["rel_err_ragged"] <= bench.MAX_REL_ERR for r in scoring if r["impl"] != "jnp")
+    redundancy = [r for r in rows if r["part"] == "redundancy_one_layer"]
+    assert all(r["ok"] and r["rel_err"] <= bench.MAX_REL_ERR for r in redundancy)
     decode = next(r for r in rows if r["part"] == "decode_step")
     assert {"ratio_kernel", "ratio_jnp", "ratio_kernel_no_redundancy"} <= set(decode)
     assert all(r["ms"] > 0 for r in rows)

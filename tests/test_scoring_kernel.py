@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.compaction import compact_slots
+from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import window_scores
 from zipage_jax import attention, weights
@@ -69,12 +71,18 @@ def test_window_scores_match_jnp(group, window, page_size, head_dim, block_kv, n
 
 @dataclasses.dataclass(frozen=True)
 class InterpretedKernelBackend(ReferenceBackend):
-    """The reference backend plus the scoring kernel in interpret mode: the wiring of the mosaic backends."""
+    """The reference backend plus the scoring kernels in interpret mode: the wiring of the mosaic backends."""
 
     name = "interpreted_kernel"
 
     def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
         return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, interpret=INTERPRET)
+
+    def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
+        return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, interpret=INTERPRET)
+
+    def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
+        return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, interpret=INTERPRET)
 
 
 def test_compress_with_the_kernel_equals_jnp():

@@ -4,7 +4,9 @@ Page 0 is the null page (padding writes land there) and is never handed out. A f
 hashed stays findable until it is reused (LRU order), so a later request with the same prefix still hits.
 Pages released by a compression that runs after the step's other work (asynchronous compression) are
 *deferred*: they reach the free list only at the next step, so no step dispatched before that compression
-can write them while it still reads them.
+can write them while it still reads them. Within one step's compression batch, a copy-on-write target is never
+a page another compression of the batch reads (the compaction kernel runs the requests concurrently, each in
+place; see ``pallas_kernels.compaction``).
 """
 
 import collections
@@ -36,6 +38,7 @@ class BlockManager:
         self.free_pages: collections.OrderedDict[int, None] = collections.OrderedDict(
             (p, None) for p in range(1, num_pages))
         self.deferred: dict[int, None] = {}  # unreferenced, not yet reusable (see the module docstring)
+        self.compaction_sources: set[int] = set()  # pages read by this step's compressions: never their targets
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens served from the cache
 
@@ -56,8 +59,12 @@ class BlockManager:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     # -- allocation --------------------------------------------------------------------------------------
-    def _take_free_page(self) -> int:
-        page, _ = self.free_pages.popitem(last=False)
+    def _take_free_page(self, avoid=frozenset()) -> int:
+        if avoid:
+            page = next(p for p in self.free_pages if p not in avoid)
+            del self.free_pages[page]
+        else:
+            page, _ = self.free_pages.popitem(last=False)
         self._unpublish(page)  # its cached contents are about to be overwritten
         self.ref_count[page] = 1
         return page
@@ -118,10 +125,12 @@ class BlockManager:
         return [self._take_free_page() for _ in range(n)]
 
     def release_deferred(self):
-        """Make the pages of the compressions dispatched last step reusable (they run before anything new)."""
+        """A new step: make the pages of the compressions dispatched last step reusable (they run before anything
+        new), and any page a compression target."""
         for page in self.deferred:
             self.free_pages[page] = None
         self.deferred.clear()
+        self.compaction_sources.clear()
 
     def free(self, request):
         """Drop the request's references (last page first, so LRU eviction takes tails before heads)."""
@@ -151,7 +160,7 @@ class BlockManager:
             self._unpublish(page)
             return page
         self._unref(page)
-        return self._take_free_page()
+        return self._take_free_page(avoid=self.compaction_sources)
 
     def plan_compression(self, request, budget: int, defer: bool = False):
         """Pages for compacting the request into ``budget`` pages plus a recent page.
@@ -163,8 +172,9 @@ class BlockManager:
         """
         src = list(request.block_ids)
         cow = sum(self.ref_count[p] > 1 for p in src[:budget]) + (self.ref_count[src[-1]] > 1)
-        if cow > self.num_free_pages:
+        if cow and cow > sum(p not in self.compaction_sources for p in self.free_pages):
             return None
+        self.compaction_sources.update(src)
         dst = [self._private(p) for p in src[:budget]]
         recent = self._private(src[-1])
         for page in src[budget:-1]:

@@ -32,3 +32,11 @@ def scatter_slots(cache, layer, values, dst_tables, valid):
     return cache.at[layer, pages[:, None, :], heads, (slots % page_size)[None, None, :]].set(
         values.astype(cache.dtype), mode="drop", unique_indices=True
     )
+
+
+def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
+    """K and V with the kept slots ``kept [B, Hkv, K]`` of ``src_tables`` packed into ``dst_tables``: the XLA
+    path (CPU, tensor parallel, oracle) of the backends' in-place ``compact_slots`` kernel, same signature."""
+    k_kept, v_kept = gather_slots(k_pool, layer, kept, src_tables), gather_slots(v_pool, layer, kept, src_tables)
+    return scatter_slots(k_pool, layer, k_kept, dst_tables, valid), scatter_slots(v_pool, layer, v_kept, dst_tables,
+                                                                                     valid)

@@ -107,14 +107,14 @@ def max_pool(scores, num_live, width):
     return jnp.where(live, pooled, scores)
 
 
-def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
-    """R ``[B, Hkv, N]``: R-KV style key redundancy, a softmax over the live slots.
+def redundancy_row_sums(keys, num_live, page_size, cfg: ScoringConfig):
+    """Raw R-KV style key redundancy ``[B, Hkv, N]``: each live slot's similarity row sum over its candidates.
 
     Cosine similarity s(m, n) of the keys over a candidate set U (the slot's own page for "lightning", all
     live slots for "full"), diagonal 0; for each column n the latest row m with s(m, n) > threshold is
-    zeroed (a key's most recent near-duplicate gets no credit from it); row sums r over U; then
-    ``softmax(r / (temperature * |U|))``. Loops over column pages, so the similarity scratch is
-    ``[B, Hkv, S, S]`` (lightning) or ``[B, Hkv, N, S]`` (full) f32 per step.
+    zeroed (a key's most recent near-duplicate gets no credit from it); then row sums over U. Loops over
+    column pages, so the similarity scratch is ``[B, Hkv, S, S]`` (lightning) or ``[B, Hkv, N, S]`` (full)
+    f32 per step. The jnp path and oracle of the backends' ``lightning_row_sums`` kernel.
     """
     batch, num_kv_heads, num_slots, _ = keys.shape
     full = cfg.redundancy == "full"
@@ -145,18 +145,41 @@ def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
             return raw + row_sums
         return jax.lax.dynamic_update_slice_in_dim(raw, row_sums, start, axis=2)
 
-    raw = jax.lax.fori_loop(0, num_slots // page_size, column_page,
-                            jnp.zeros((batch, num_kv_heads, num_slots), jnp.float32))
-    candidates = num_live if full else jnp.full_like(num_live, page_size)
+    return jax.lax.fori_loop(0, num_slots // page_size, column_page,
+                             jnp.zeros((batch, num_kv_heads, num_slots), jnp.float32))
+
+
+def redundancy_softmax(row_sums, num_live, page_size, cfg: ScoringConfig):
+    """R ``[B, Hkv, N]``: ``softmax(row_sums / (temperature * |U|))`` over the live slots."""
+    candidates = num_live if cfg.redundancy == "full" else jnp.full_like(num_live, page_size)
     temperature = cfg.redundancy_temperature * jnp.maximum(candidates, 1).astype(jnp.float32)
-    return _masked_softmax(raw / temperature[:, None, None], live[:, None, :])
+    live = _live_mask(num_live, row_sums.shape[-1])
+    return _masked_softmax(row_sums / temperature[:, None, None], live[:, None, :])
 
 
-def zipage_scores(attention, keys, history, num_src_pages, compressed_before, page_size, cfg):
+def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
+    """R ``[B, Hkv, N]`` of gathered ``keys [B, Hkv, N, D]``: the softmax of their redundancy row sums."""
+    return redundancy_softmax(redundancy_row_sums(keys, num_live, page_size, cfg), num_live, page_size, cfg)
+
+
+def paged_redundancy_scores(k_pool, layer, page_tables, num_src_pages, cfg: ScoringConfig, backend=None):
+    """R of the requests' first ``num_src_pages`` full pages in ``page_tables`` of one pool layer: lightning row
+    sums by the backend's fused kernel (``lightning_row_sums``) where it has one, else from gathered keys."""
+    page_size = k_pool.shape[3]
+    num_live = num_src_pages * page_size
+    kernel = getattr(backend, "lightning_row_sums", None) if cfg.redundancy == "lightning" else None
+    if kernel is not None:
+        row_sums = kernel(k_pool, layer, page_tables, num_src_pages, cfg.similarity_threshold)
+    else:
+        row_sums = redundancy_row_sums(gather_request_kv(k_pool, layer, page_tables), num_live, page_size, cfg)
+    return redundancy_softmax(row_sums, num_live, page_size, cfg)
+
+
+def zipage_scores(attention, redundancy, history, num_src_pages, compressed_before, page_size, cfg):
     """``(score, G)``, each ``[B, Hkv, N]``, of the "zipage" policy before protection.
 
-    ``attention`` is A (``window_attention``); ``keys [B, Hkv, N, D]`` are read only for redundancy (pass None
-    when it is off). ``history [B, Hkv, N]`` is the score cache at the request's slots, used only where it is
+    ``attention`` is A (``window_attention``); ``redundancy`` is R (``paged_redundancy_scores``; None when it
+    is off). ``history [B, Hkv, N]`` is the score cache at the request's slots, used only where it is
     meaningful: the request was compressed before and the slot is not in its last, fresh page. G is the
     global score (before pooling and redundancy): what the score cache keeps for the next compression.
     """
@@ -173,7 +196,6 @@ def zipage_scores(attention, keys, history, num_src_pages, compressed_before, pa
             pooled = jnp.where(compressed_before[:, None, None], score, pooled)
         score = pooled
     if cfg.redundancy != "off":
-        redundancy = redundancy_scores(keys, num_live, page_size, cfg)
         score = (1.0 - cfg.redundancy_weight) * score - cfg.redundancy_weight * redundancy
     return score, attention
 

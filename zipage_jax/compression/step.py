@@ -8,10 +8,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import gather_request_kv
-from zipage_jax.compression.compaction import gather_slots, scatter_slots
+from zipage_jax.compression.compaction import compact_slots, scatter_slots
 from zipage_jax.compression.scoring import (
-    POLICIES, REDUNDANCY_MODES, ScoringConfig, protect, recency_scores, window_scorer, zipage_scores,
+    POLICIES, REDUNDANCY_MODES, ScoringConfig, paged_redundancy_scores, protect, recency_scores, window_scorer,
+    zipage_scores,
 )
 from zipage_jax.compression.selection import select_slots
 
@@ -69,11 +69,13 @@ def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, 
         queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
         attention = window_scorer(backend)(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size,
                                            queries, sm_scale)
-        keys = gather_request_kv(k_pool, layer, plan.src_tables) if cfg.redundancy != "off" else None
+        redundancy = None
+        if cfg.redundancy != "off":
+            redundancy = paged_redundancy_scores(k_pool, layer, plan.src_tables, plan.num_src_pages, cfg, backend)
         history = None
         if cfg.tracks_history:
             history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(attention.shape)
-        score, history = zipage_scores(attention, keys, history, plan.num_src_pages, plan.compressed_before,
+        score, history = zipage_scores(attention, redundancy, history, plan.num_src_pages, plan.compressed_before,
                                        page_size, cfg)
     return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
 
@@ -95,26 +97,27 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the attention
-    backend: its fused window-scores kernel if it has one, else jnp) static and the three caches donated.
+    backend: its fused window-scores, lightning-redundancy and in-place compaction kernels where it has them,
+    else jnp) static and the three caches donated.
     Every valid row must have ``num_src_pages >= M + 1`` full pages.
 
     Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
     score vectors; with the jnp window attention, one window query's logits ``B*Hq*N*4`` and the request
-    keys ``B*Hkv*N*D*it`` (the kernel reads the pool pages instead: ``pallas_kernels.scoring``); redundancy
-    gathers the keys and adds ``B*Hkv*S*S*4`` (lightning) or ``B*Hkv*N*S*4`` (full) per column page; then the
-    kept K and V ``2*B*Hkv*M*S*D*it``. Nothing scales with ``W * Hq * N``.
+    keys ``B*Hkv*N*D*it`` (the kernel reads the pool pages instead: ``pallas_kernels.scoring``); jnp redundancy
+    gathers the keys and adds ``B*Hkv*S*S*4`` (lightning) or ``B*Hkv*N*S*4`` (full) per column page (the
+    lightning kernel reads the pool pages: ``pallas_kernels.redundancy``); then the
+    kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
+    Nothing scales with ``W * Hq * N``.
     """
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]
+    compactor = getattr(backend, "compact_slots", None) or compact_slots
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
         scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)
         kept = select_slots(scores, keep)  # [B, Hkv, keep]
-        k_kept = gather_slots(k_pool, layer, kept, plan.src_tables)
-        v_kept = gather_slots(v_pool, layer, kept, plan.src_tables)
-        k_pool = scatter_slots(k_pool, layer, k_kept, plan.dst_tables, plan.valid)
-        v_pool = scatter_slots(v_pool, layer, v_kept, plan.dst_tables, plan.valid)
+        k_pool, v_pool = compactor(k_pool, v_pool, layer, kept, plan.src_tables, plan.dst_tables, plan.valid)
         if cfg.tracks_history:
             kept_history = jnp.take_along_axis(history, kept, axis=2)
             score_cache = scatter_slots(score_cache, layer, kept_history, plan.dst_tables, plan.valid)

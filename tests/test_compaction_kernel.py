@@ -1,0 +1,219 @@
+"""The in-place compaction kernel against ``gather_slots`` + ``scatter_slots`` (bit-exact: it is a copy).
+
+CPU tests run the kernel under Mosaic GPU interpret mode, whose staging SMEM starts as NaN, so a row the
+kernel never gathers fails. The interpreter runs each TMA copy synchronously at issue, so the ordering of
+in-flight copies (the double buffering) is only exercised by the ``gpu`` tests, which run the compiled
+kernel on a Hopper GPU. Fresh random inputs each run; the seed is in the failure message.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.compaction import compact_slots
+from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
+from zipage_jax.compression.compaction import gather_slots, scatter_slots
+from test_scoring_kernel import random_problem as scoring_problem  # tests/ is on sys.path under pytest
+
+INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
+
+
+def fresh_seed():
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype=jnp.bfloat16, layers=3, num_kv_heads=2):
+    """Pools, tables and kept slots for ``rows``: (target, selection) pairs.
+
+    target: "inplace" (dst = the row's first source pages), "cow" (some dst pages fresh, the rest in place)
+    or "padding" (valid False; its dst are its own source pages, so a write would show). selection: "random"
+    (per head), "first" or "last" K source slots. Source pages are distinct and shuffled; page 0 is unused.
+    """
+    batch, keep = len(rows), num_dst * page_size
+    num_pages = 1 + batch * (num_src + num_dst) + 2  # spare pages nobody references
+    shape = (layers, num_pages, num_kv_heads, page_size, head_dim)
+    k_pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    ids = rng.permutation(np.arange(1, num_pages))
+    src = ids[:batch * num_src].reshape(batch, num_src)
+    fresh = iter(ids[batch * num_src:])
+    dst = src[:, :num_dst].copy()
+    kept = np.empty((batch, num_kv_heads, keep), np.int32)
+    num_slots = num_src * page_size
+    for b, (target, selection) in enumerate(rows):
+        if target == "cow":  # at least one fresh page, and one in place when there are two or more
+            for i in rng.permutation(num_dst)[:max(1, num_dst // 2)]:
+                dst[b, i] = next(fresh)
+        for h in range(num_kv_heads):
+            kept[b, h] = {"first": np.arange(keep), "last": np.arange(num_slots - keep, num_slots),
+                          "random": np.sort(rng.choice(num_slots, keep, replace=False))}[selection]
+    valid = np.array([target != "padding" for target, _ in rows])
+    return (k_pool, v_pool, jnp.asarray(kept), jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32),
+            jnp.asarray(valid))
+
+
+def oracle(pool, layer, kept, src, dst, valid):
+    return np.asarray(scatter_slots(pool, layer, gather_slots(pool, layer, kept, src), dst, valid))
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+def check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, **kwargs):
+    want = [oracle(p, layer, kept, src, dst, valid) for p in (k_pool, v_pool)]
+    before = [np.asarray(p) for p in (k_pool, v_pool)]
+    got = compact_slots(jnp.copy(k_pool), jnp.copy(v_pool), layer, kept, src, dst, valid, **kwargs)
+    for name, g, w, b in zip("KV", got, want, before):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert not np.array_equal(bits(w), bits(b)), f"seed {seed}: the case moves nothing"
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {name} pool")
+        other = np.arange(b.shape[0]) != layer
+        np.testing.assert_array_equal(bits(g[other]), bits(b[other]), err_msg=f"seed {seed}: other layers")
+        padding_pages = np.asarray(src)[~np.asarray(valid)]
+        np.testing.assert_array_equal(bits(g[layer, padding_pages]), bits(b[layer, padding_pages]),
+                                      err_msg=f"seed {seed}: padding rows")
+
+
+CASES = [
+    # page_size, head_dim, dtype, block_rows, num_dst, num_src, rows
+    (16, 64, jnp.bfloat16, 8, 2, 4,
+     [("inplace", "random"), ("cow", "first"), ("padding", "random"), ("inplace", "last")]),
+    (64, 128, jnp.float16, None, 1, 2, [("inplace", "last"), ("padding", "first"), ("cow", "random")]),
+    (64, 64, jnp.bfloat16, 16, 2, 3, [("cow", "last"), ("inplace", "random")]),   # 8 blocks per CTA
+    (16, 128, jnp.bfloat16, None, 3, 4, [("inplace", "first"), ("cow", "random")]),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype,block_rows,num_dst,num_src,rows", CASES)
+def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_rows, num_dst, num_src, rows):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype)
+    layer = int(rng.integers(1, problem[0].shape[0]))
+    k_pool, v_pool, kept, src, dst, valid = problem
+    check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, block_rows=block_rows,
+                         interpret=INTERPRET)
+
+
+def test_pools_are_updated_in_place():
+    """The kernel's outputs alias the pool operands (Hopper lowering), and a donating jit, alone or with the
+    pools in a ``fori_loop`` carry as in ``compress``, reuses their buffers: no copy of the pools."""
+    rng = np.random.default_rng(fresh_seed())
+    k_pool, v_pool, kept, src, dst, valid = random_problem(rng, [("cow", "random")], 16, 64, 2, 3)
+    pool_bytes = k_pool.nbytes
+    args = (kept, src, dst, valid)
+
+    def layers_loop(k, v, *args, interpret=INTERPRET):
+        step = lambda layer, pools: compact_slots(*pools, layer, *args, interpret=interpret)  # noqa: E731
+        return jax.lax.fori_loop(0, k.shape[0], step, (k, v))
+
+    loop = jax.jit(layers_loop, donate_argnums=(0, 1), static_argnames="interpret")
+    for fn, lead in ((compact_slots, (1,)), (loop, ())):
+        text = fn.trace(k_pool, v_pool, *lead, *args, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+        assert "operand_index = 4" in text and "operand_index = 5" in text  # the custom call's k / v operands
+        assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" in text
+        memory = fn.lower(k_pool, v_pool, *lead, *args, interpret=INTERPRET).compile().memory_analysis()
+        assert memory.alias_size_in_bytes == 2 * pool_bytes and memory.temp_size_in_bytes < pool_bytes
+    pointers = k_pool.unsafe_buffer_pointer(), v_pool.unsafe_buffer_pointer()
+    out = loop(k_pool, v_pool, *args)
+    assert k_pool.is_deleted() and (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers
+
+
+def test_compress_through_the_kernel_equals_compress():
+    """Wired as the lead will wire it (per layer in a ``fori_loop``, kept from the layer's scores), the kernel
+    gives ``compress``'s K and V, with copy-on-write targets mixed into in-place rows and a padding row."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    page, budget, window, hkv, group, dim = 16, 2, 8, 2, 4, 64
+    num_src = np.array([3, 4, 3, 0])
+    k_pool, tables, _, _ = scoring_problem(rng, list(num_src * page), 5, group, window, page, dim)
+    layers, num_pages = k_pool.shape[:2]
+    v_pool = jnp.asarray(rng.standard_normal(k_pool.shape), jnp.bfloat16)
+    score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
+    query_cache = jnp.asarray(rng.standard_normal((layers, 5, window, hkv * group, dim)), jnp.bfloat16)
+    spare = sorted(set(range(1, num_pages)) - set(np.asarray(tables).ravel().tolist()))
+    dst = np.array(tables[:, :budget])
+    dst[1, 0], dst[2, 1] = spare[:2]  # copy-on-write pages next to in-place ones
+    plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
+                           dst_tables=jnp.asarray(dst), query_slots=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                           logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
+                           compressed_before=jnp.asarray([True, False, True, False]),
+                           valid=jnp.asarray(num_src > 0))
+    cfg, scale = ScoringConfig(window=window, sink_tokens=1), dim ** -0.5
+    scores = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale)  # [B, L, Hkv, N]
+
+    def layer_step(layer, pools):
+        kept = select_slots(scores[:, layer], budget * page)
+        return compact_slots(*pools, layer, kept, plan.src_tables, plan.dst_tables, plan.valid,
+                             interpret=INTERPRET)
+
+    want = compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, scale)[:2]
+    got = jax.lax.fori_loop(0, layers, layer_step, (jnp.copy(k_pool), jnp.copy(v_pool)))
+    for name, g, w in zip("KV", got, want):
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {name} pool")
+
+
+@pytest.mark.parametrize("bad", ["k_pool", "v_pool", "kept", "src_tables", "dst_tables", "valid", "block_rows"])
+def test_compaction_rejects_bad_input(bad):
+    rng = np.random.default_rng()
+    k_pool, v_pool, kept, src, dst, valid = random_problem(rng, [("inplace", "random")] * 2, 16, 64, 2, 3)
+    block_rows = None
+    if bad == "k_pool":
+        k_pool = v_pool = k_pool.astype(jnp.float32)
+    elif bad == "v_pool":
+        v_pool = v_pool[..., :32]
+    elif bad == "kept":
+        kept = kept[..., :16]
+    elif bad == "src_tables":
+        src = src[:, :1]
+    elif bad == "dst_tables":
+        dst = dst[0]
+    elif bad == "valid":
+        valid = valid[:1]
+    else:
+        block_rows = 5
+    with pytest.raises(ValueError, match=bad):
+        compact_slots(k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("page_size,head_dim,block_rows", [(256, 128, None), (16, 64, None), (64, 128, 32)])
+def test_compaction_lowers_for_hopper(page_size, head_dim, block_rows):
+    """Mosaic GPU lowering runs on CPU, so lowering errors show up without a GPU."""
+    pool = jax.ShapeDtypeStruct((2, 33, 8, page_size, head_dim), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    lowered = compact_slots.trace(pool, pool, i32(), i32(4, 8, 2 * page_size), i32(4, 5), i32(4, 2),
+                                  jax.ShapeDtypeStruct((4,), jnp.bool_), block_rows=block_rows)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def on_hopper():
+    return jax.default_backend() == "gpu" and float(jax.devices()[0].compute_capability) >= 9.0
+
+
+GPU_CASES = [
+    # page_size, head_dim, block_rows, num_dst, num_src, num_kv_heads, rows
+    (256, 128, None, 4, 8, 8, [("inplace", "random"), ("cow", "random"), ("padding", "random"),
+                               ("inplace", "last"), ("cow", "first")]),
+    (16, 64, None, 8, 20, 2, [("inplace", "random"), ("inplace", "last"), ("cow", "random")]),
+    (64, 128, 8, 3, 7, 4, [("cow", "last"), ("inplace", "random")]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (or newer) NVIDIA GPU")
+@pytest.mark.parametrize("page_size,head_dim,block_rows,num_dst,num_src,num_kv_heads,rows", GPU_CASES)
+def test_compiled_compaction_matches_gather_scatter(page_size, head_dim, block_rows, num_dst, num_src,
+                                                    num_kv_heads, rows):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    k_pool, v_pool, kept, src, dst, valid = random_problem(rng, rows, page_size, head_dim, num_dst, num_src,
+                                                           num_kv_heads=num_kv_heads)
+    check_against_oracle(seed, k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows)
+    k_copy, v_copy = jnp.copy(k_pool), jnp.copy(v_pool)
+    pointers = k_copy.unsafe_buffer_pointer(), v_copy.unsafe_buffer_pointer()
+    out = compact_slots(k_copy, v_copy, 1, kept, src, dst, valid, block_rows=block_rows)
+    assert (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers  # in place
