@@ -16,6 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv
+from test_scoring_kernel import shuffled_page_tables  # tests/ is on sys.path under pytest
 from zipage_jax.compression import ScoringConfig
 from zipage_jax.compression.scoring import paged_redundancy_scores, redundancy_row_sums, redundancy_scores
 
@@ -48,14 +49,8 @@ def random_problem(rng, num_pages, table_pages, page_size, head_dim, num_kv_head
     """A bf16 pool whose requests hold ``num_pages`` distinct shuffled pages (padding entries: null page 0)."""
     pool_pages = sum(num_pages) + 3
     keys = keys_with_near_duplicates(rng, (layers, pool_pages, num_kv_heads, page_size, head_dim))
-    k_pool = jnp.asarray(keys, jnp.bfloat16)
-    ids = rng.permutation(np.arange(1, pool_pages))
-    tables = np.zeros((len(num_pages), table_pages), np.int32)
-    start = 0
-    for row, n in enumerate(num_pages):
-        tables[row, :n] = ids[start:start + n]
-        start += n
-    return k_pool, jnp.asarray(tables), jnp.asarray(num_pages, jnp.int32)
+    tables = shuffled_page_tables(rng, num_pages, table_pages, pool_pages)
+    return jnp.asarray(keys, jnp.bfloat16), tables, jnp.asarray(num_pages, jnp.int32)
 
 
 CASES = [
