@@ -69,7 +69,7 @@ class BenchEngine:
         self.params = sharding.shard_params(params, mesh)
         backend = resolve_backend(config.attention_backend)
         self.sizing = kv_cache.plan_memory(config, model_cfg, jnp.dtype(config.dtype), config.max_model_len,
-                                           backend.name)
+                                           backend.name, kv_cache.fused_compression(backend, config))
         num_pages = num_pages or self.sizing["num_pages"]
         self.runner = ModelRunner(config, model_cfg, self.params, num_pages, config.max_model_len,
                                   jnp.dtype(config.dtype), backend, mesh, (), self.sizing["num_query_slots"],

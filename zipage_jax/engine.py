@@ -61,7 +61,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or limit
         backend = resolve_backend(config.attention_backend)
-        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend.name)
+        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend.name,
+                                           kv_cache.fused_compression(backend, config))
         self.num_pages = self.sizing["num_pages"]
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

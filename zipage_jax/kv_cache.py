@@ -54,20 +54,34 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     return int(max(prefill, decode))
 
 
-def compression_scratch_bytes(model_cfg, config, dtype, pages: int) -> int:
+def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool = False) -> int:
     """Upper estimate of the temporaries of one compression dispatch over ``pages`` (padded) source pages.
 
-    One layer at a time (see ``compression.step.compress``): the gathered keys, one window query's logits, a
-    handful of f32 score vectors and the redundancy similarities of one page against the rest, the kept K/V.
+    One layer at a time (see ``compression.step.compress``). The jnp / XLA path: the gathered keys, one window
+    query's logits, a handful of f32 score vectors, the redundancy similarities of one page against the rest,
+    the kept K/V. ``fused`` (the Mosaic kernels: window scores, lightning redundancy, in-place compaction):
+    only the score vectors and the kept slots' pool rows, plus the gathered keys and similarities of "full"
+    redundancy, which stays jnp.
     """
     it = jnp.dtype(dtype).itemsize
     c, slots = model_cfg, pages * config.block_size
-    per_slot = c.num_kv_heads * (3 * c.head_dim * it + 8 * 4 + config.block_size * 4) + 2 * c.num_heads * 4
+    keys_and_similarities = c.head_dim * it + config.block_size * 4
+    if fused:
+        per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.redundancy == "full" else 0))
+    else:
+        per_slot = c.num_kv_heads * (2 * c.head_dim * it + 8 * 4 + keys_and_similarities) + 2 * c.num_heads * 4
     history = slots * c.num_kv_heads * 4 * 2 if config.global_score else 0
     return int(slots * per_slot + history)
 
 
-def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str = "reference") -> dict:
+def fused_compression(backend, config) -> bool:
+    """Whether compression runs the backend's fused kernels (scratch without gathered K/V); tensor parallelism
+    wraps the backend, whose sharded compression takes the jnp / XLA path."""
+    return hasattr(backend, "compact_slots") and config.tensor_parallel_size == 1
+
+
+def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str = "reference",
+                fused_compression: bool = False) -> dict:
     """Pool size, query slots ``C`` and concurrency from the memory budget (DESIGN §3.6).
 
     With the budget taken from the device, the peak scratch of the largest step and of the largest compression
@@ -86,7 +100,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str 
             raise ValueError(f"max_compression_pages: {max_comp} cannot hold the {pages_per_seq} pages of one "
                              f"request of max_model_len={max_model_len}")
     step = step_scratch_bytes(model_cfg, config, dtype, max_model_len, backend_name)
-    comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp) if config.compression else 0
+    comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, fused_compression) if config.compression else 0
     swap = (M + 1) * per_page + slot if config.compression else 0
     reserved, source = 0, "num_gpu_blocks_override"
     if config.num_gpu_blocks_override is not None:
