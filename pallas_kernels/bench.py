@@ -10,9 +10,8 @@ and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Tri
 
 ``--sections compression`` benchmarks one compression of a batch of requests (DESIGN §3) at a model's shapes
 with random weights and KV: the scoring kernels (window attention, lightning redundancy) against their jnp
-references (one layer), compaction variants
-(one layer), the whole jitted compression step (kernel and jnp scoring) against one decode forward of the
-same requests over the same pool, and the scratch memory of each. Every row records its error instead of
+references (one layer), compaction variants (one layer), the whole jitted compression step (kernels and jnp)
+against one decode forward of the same requests over the same pool, and the scratch memory of each. Every row records its error instead of
 stopping the run.
 """
 
@@ -32,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compaction import compact_slots
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
-from pallas_kernels.redundancy import lightning_row_sums
+from pallas_kernels.redundancy import lightning_row_sums, smem_bytes as redundancy_smem_bytes
 from pallas_kernels.reference import gather_request_kv, paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.scoring import default_block_kv, scratch_bytes, smem_bytes, window_scores
 
@@ -293,6 +292,15 @@ def time_donated(step, state, reps, *extra):
     return (time.perf_counter() - start) / reps, state
 
 
+def seconds_per_layer_call(fn, reps, num_layers, *arrays):
+    """Seconds per call of ``fn(layer, *arrays)`` chained ``reps`` times (cycling layers) in one jitted loop."""
+    chain = jax.jit(lambda *a: jax.lax.fori_loop(0, reps, lambda i, acc: acc + fn(i % num_layers, *a).sum(), 0.0))
+    chain(*arrays).block_until_ready()
+    start = time.perf_counter()
+    chain(*arrays).block_until_ready()
+    return (time.perf_counter() - start) / reps
+
+
 def temp_bytes(compiled):
     """XLA's temporary buffer size of a compiled call (None where the backend does not report it)."""
     analysis = compiled.memory_analysis()
@@ -302,7 +310,8 @@ def temp_bytes(compiled):
 def bench_compression(args):
     from zipage_jax import weights
     from zipage_jax.attention import resolve_backend
-    from zipage_jax.compression import ScoringConfig, compress, gather_slots, scatter_slots, select_slots
+    from zipage_jax.compression import ScoringConfig, compress, select_slots
+    from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
     from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
     from zipage_jax.models import PagedBatch, forward_paged
 
@@ -358,12 +367,7 @@ def bench_compression(args):
                 if name.startswith("kernel"):
                     out = jax.jit(lambda k, qc: fn(1, k, qc, ragged))(case["k_pool"], case["query_cache"])
                     row["rel_err_ragged"] = rel_err(out, ref_ragged)
-                chain = jax.jit(lambda k, qc: jax.lax.fori_loop(
-                    0, args.comp_reps, lambda i, acc: acc + fn(i % num_layers, k, qc).sum(), 0.0))
-                chain(case["k_pool"], case["query_cache"]).block_until_ready()
-                start = time.perf_counter()
-                chain(case["k_pool"], case["query_cache"]).block_until_ready()
-                sec = (time.perf_counter() - start) / args.comp_reps
+                sec = seconds_per_layer_call(fn, args.comp_reps, num_layers, case["k_pool"], case["query_cache"])
                 row.update(ms=sec * 1e3, tb_s=k_bytes * (2 if name.startswith("kernel") else 1) / sec / 1e12,
                            temp_bytes=temp_bytes(one_layer[name].lower(case["k_pool"], case["query_cache"]).compile()),
                            ok=max(row["rel_err"], row.get("rel_err_ragged", 0.0)) <= MAX_REL_ERR)
@@ -388,17 +392,15 @@ def bench_compression(args):
         }
         ref = jax.jit(functools.partial(redundancy_impls["jnp"], 1))(case["k_pool"])
         for name, fn in redundancy_impls.items():
-            def measure(row, fn=fn):
+            def measure(row, name=name, fn=fn):
                 one = jax.jit(functools.partial(fn, 1))
                 row["rel_err"] = rel_err(one(case["k_pool"]), ref)
-                chain = jax.jit(lambda k: jax.lax.fori_loop(
-                    0, args.comp_reps, lambda i, acc: acc + fn(i % num_layers, k).sum(), 0.0))
-                chain(case["k_pool"]).block_until_ready()
-                start = time.perf_counter()
-                chain(case["k_pool"]).block_until_ready()
-                sec = (time.perf_counter() - start) / args.comp_reps
+                sec = seconds_per_layer_call(fn, args.comp_reps, num_layers, case["k_pool"])
                 row.update(ms=sec * 1e3, tb_s=k_bytes / sec / 1e12, ok=row["rel_err"] <= MAX_REL_ERR,
                            temp_bytes=temp_bytes(one.lower(case["k_pool"]).compile()))
+                if name != "jnp":
+                    stages = 2 if name == "kernel_s2" else 1
+                    row["smem_bytes_per_cta"] = redundancy_smem_bytes(page_size, head_dim, stages, dtype.itemsize)
 
             rows.append(record(dict(shape_row, part="redundancy_one_layer", impl=name), measure, args.verbose))
 
@@ -407,9 +409,7 @@ def bench_compression(args):
         live_tables = plan.src_tables[:, :budget + 1]
 
         def slot_compaction(k, v, layer):
-            k = scatter_slots(k, layer, gather_slots(k, layer, kept, live_tables), plan.dst_tables, plan.valid)
-            v = scatter_slots(v, layer, gather_slots(v, layer, kept, live_tables), plan.dst_tables, plan.valid)
-            return k, v
+            return xla_compact_slots(k, v, layer, kept, live_tables, plan.dst_tables, plan.valid)
 
         def page_compaction(k, v, layer):
             def one(pool):

@@ -167,5 +167,6 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
             plgpu.Barrier(num_arrivals=2 * block_rows, num_barriers=2),
         ),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32), k_ref, v_ref)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32),
+      k_ref, v_ref)
     return jax.freeze(k_ref), jax.freeze(v_ref)

@@ -84,7 +84,8 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, o_ref, k_
 
         def gram(t, c):  # K[tile t] @ K[tile c]^T in f32
             def mma(acc_ref):
-                plgpu.wgmma(acc_ref, keys.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], keys.at[pl.ds(c * TILE_ROWS, TILE_ROWS)].T)
+                rows, cols = keys.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], keys.at[pl.ds(c * TILE_ROWS, TILE_ROWS)]
+                plgpu.wgmma(acc_ref, rows, cols.T)
                 return acc_ref[...]
             return pl.run_scoped(mma, plgpu.ACC(tile, jnp.float32))
 

@@ -28,7 +28,8 @@ def keys_with_near_duplicates(rng, shape):
     keys = rng.standard_normal(shape)
     copies = keys[..., 1::3, :].shape[-2]
     noise = rng.uniform(0.2, 1.0, keys[..., 1::3, :1].shape)
-    keys[..., 1::3, :] = 1.3 * keys[..., 0::3, :][..., :copies, :] + noise * rng.standard_normal(keys[..., 1::3, :].shape)
+    originals = keys[..., 0::3, :][..., :copies, :]
+    keys[..., 1::3, :] = 1.3 * originals + noise * rng.standard_normal(originals.shape)
     return keys
 
 
