@@ -100,7 +100,9 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str 
             raise ValueError(f"max_compression_pages: {max_comp} cannot hold the {pages_per_seq} pages of one "
                              f"request of max_model_len={max_model_len}")
     step = step_scratch_bytes(model_cfg, config, dtype, max_model_len, backend_name)
-    comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, fused_compression) if config.compression else 0
+    comp = 0
+    if config.compression:
+        comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, fused_compression)
     swap = (M + 1) * per_page + slot if config.compression else 0
     reserved, source = 0, "num_gpu_blocks_override"
     if config.num_gpu_blocks_override is not None:
