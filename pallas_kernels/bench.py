@@ -385,8 +385,6 @@ def bench_compression(args):
         redundancy_impls = {
             "kernel": lambda layer, k: lightning_row_sums(k, layer, plan.src_tables, plan.num_src_pages, threshold,
                                                           interpret=interpret),
-            "kernel_s2": lambda layer, k: lightning_row_sums(k, layer, plan.src_tables, plan.num_src_pages, threshold,
-                                                             num_stages=2, interpret=interpret),
             "jnp": lambda layer, k: redundancy_row_sums(gather_request_kv(k, layer, plan.src_tables), num_live,
                                                         page_size, cfg),
         }
@@ -399,8 +397,7 @@ def bench_compression(args):
                 row.update(ms=sec * 1e3, tb_s=k_bytes / sec / 1e12, ok=row["rel_err"] <= MAX_REL_ERR,
                            temp_bytes=temp_bytes(one.lower(case["k_pool"]).compile()))
                 if name != "jnp":
-                    stages = 2 if name == "kernel_s2" else 1
-                    row["smem_bytes_per_cta"] = redundancy_smem_bytes(page_size, head_dim, stages, dtype.itemsize)
+                    row["smem_bytes_per_cta"] = redundancy_smem_bytes(page_size, head_dim, dtype.itemsize)
 
             rows.append(record(dict(shape_row, part="redundancy_one_layer", impl=name), measure, args.verbose))
 

@@ -1,20 +1,22 @@
 """Lightning (within-page) key redundancy of compression (DESIGN §3.4) as a Mosaic GPU (Hopper) kernel.
 
-One CTA handles one (request, KV head) of one layer and loops over its live blocks of ``R = max(S, 64)`` slots
-(one page, or ``64 / S`` whole pages), ``num_stages`` blocks in flight by TMA straight from the pool pages named
-in the page table. With ``s(m, n)`` the cosine similarity of keys m, n of the same page (0 on the diagonal and
-off the live range), per block:
+One CTA handles one block of ``R = max(S, 64)`` slots (one page, or ``64 / S`` whole pages) of one (request,
+KV head) of one layer, fetched by TMA straight from the pool pages named in the page table: a CTA per block
+rather than a loop over a request's blocks: thousands of short CTAs fill the multiprocessors evenly, where one
+CTA per (request, head) left a ragged last wave (BENCHMARKS.md). With ``s(m, n)`` the cosine similarity of
+keys m, n of the same page (0 on the diagonal and off the live range), per block:
 
-- pass 0: the key norms, from the diagonal of ``K K^T`` (64x64 wgmma tiles);
-- pass 1: per 64x64 tile of ``K K^T``: each row's latest column with ``s`` above the threshold (``s`` is
-  symmetric, so row n's latest match is column n's latest row);
-- pass 2: the same tiles again (recomputing a wgmma is cheaper than keeping them): each row's sum of ``s`` less
-  the similarities of the columns whose latest match it is.
+- pass 0: the key norms, from the keys in shared memory;
+- pass 1: per row tile, every 64x64 tile of ``K K^T`` (all issued at once, so the vector work on one overlaps
+  the next one's wgmma): each row's sum of ``s`` and its latest column with ``s`` above the threshold, packed
+  with that ``s`` into one int32 so a single max reduction finds both. ``s`` is symmetric, so row n's latest
+  match is column n's latest row.
 
-Thresholds compare ``K K^T * inv_norm[n]`` with ``threshold * norm[m]``, so a tile costs a handful of vector
-ops per element. This is the "lightning" row sum of ``zipage_jax.compression.scoring.redundancy_row_sums``
-(before its softmax, which is O(slots) jnp). Scratch per CTA: the key blocks and a few ``R``-vectors of f32 in
-shared memory; global memory holds only the ``[B, Hkv, N]`` f32 result.
+The latest-match rule takes ``s(m*(n), n)`` off row ``m*(n)``'s sum: a scatter-add of one value per slot, done
+in jnp on the kernel's packed matches (``_matched_similarity``), so no tile is computed twice. Thresholds
+compare ``K K^T * inv_norm[n]`` with ``threshold * norm[m]``. This is the "lightning" row sum of
+``zipage_jax.compression.scoring.redundancy_row_sums`` (before its softmax, which is O(slots) jnp). Scratch per
+CTA: the key blocks and a few ``R``-vectors in shared memory; global memory holds two ``[B, Hkv, N]`` vectors.
 """
 
 import functools
@@ -51,109 +53,122 @@ def _check_inputs(k_pool, page_tables, num_pages):
         raise ValueError(f"k_pool must be a 16-bit float dtype, got {k_pool.dtype}")
 
 
-def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, o_ref, k_smem, k_bar, inv_smem, latest_smem,
-                     out_smem, *, threshold, page_size, num_stages):
-    kv_head, row = lax.axis_index("h"), lax.axis_index("b")
+# A row's latest match and its similarity s, packed into one int32 so a single max reduction finds both:
+# (column << 23) + round((s + 1 + 2^-8) * 2^21), columns < 256. The quantised s is formed by one fma into
+# [2^23, 2^24), where an f32's low 23 bits are that integer, so a bitcast replaces a (quarter-rate) conversion.
+_COL_SHIFT = 23
+_SIM_SCALE = float(2 ** 21)  # 4.8e-7 resolution of the matched similarity
+_SIM_OFFSET = 1.0 + 2.0 ** -8  # keeps s + offset > 0 for |s| rounding past 1
+_F32_2_23_BITS = 0x4B000000  # bits of 2.0**23: the integer in the low mantissa bits sits on top of these
+
+
+def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_ref, sums_ref, match_ref, k_smem,
+                     col_bits_smem, barrier, inv_smem, sums_smem, match_smem, *, threshold, page_size):
+    kv_head, row, block = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("p")
     layer, num_pages = layer_ref[0], num_pages_ref[row]
-    slots = k_smem.shape[1]
+    slots = k_smem.shape[0]
     num_tiles, pages_per_block = slots // TILE_ROWS, slots // page_size
-    num_blocks = pl.cdiv(num_pages * page_size, slots)
     masked = page_size < TILE_ROWS  # several pages per tile, the last block possibly part live
     wgmma_layout = plgpu.Layout.WGMMA
     row_vector, col_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
     tile = (TILE_ROWS, TILE_ROWS)
+    live = num_pages * page_size - block * slots
 
-    def issue(block):
+    def rows_of(ref, t):
+        return ref.at[pl.ds(t * TILE_ROWS, TILE_ROWS)]
+
+    def grams(pairs, body):
+        """``carry = body(pair, acc, carry)`` over the f32 tiles ``acc = K[t] @ K[c]^T`` of ``pairs`` in order,
+        all issued at once, so the vector work on one tile overlaps the next tiles' wgmmas."""
+        def scoped(*accs):
+            for acc, (t, c) in zip(accs, pairs):
+                plgpu.wgmma(acc, rows_of(k_smem, t), rows_of(k_smem, c).T)
+            carry = None
+            for i, (acc, pair) in enumerate(zip(accs, pairs)):
+                carry = body(pair, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i), carry)
+            return carry
+
+        return pl.run_scoped(scoped, *[plgpu.ACC(tile, jnp.float32) for _ in pairs])
+
+    def iota(dim):  # a fresh iota per use: sharing one across the passes defeats Mosaic's layout inference
+        return plgpu.broadcasted_iota(jnp.int32, tile, dim, layout=wgmma_layout)
+
+    def pair_mask(t, c):  # the tile's real pairs: None where a tile cannot hold the diagonal, other pages or dead slots
+        rows, cols = iota(0), iota(1)
+        if masked:
+            return (rows != cols) & (rows // page_size == cols // page_size) & (rows < live) & (cols < live)
+        return rows != cols if t == c else None
+
+    def col_chunk(ref, c):
+        return lax.broadcast_in_dim(plgpu.load(ref.at[pl.ds(c * TILE_ROWS, TILE_ROWS)], layout=col_vector),
+                                    tile, [1])
+
+    def row_chunk(ref, t):
+        return plgpu.load(ref.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], layout=row_vector)
+
+    def norms():  # pass 0: inverse key norms, from the keys themselves
+        for t in range(num_tiles):
+            k = plgpu.load(k_smem.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], layout=wgmma_layout).astype(jnp.float32)
+            inv_smem[pl.ds(t * TILE_ROWS, TILE_ROWS)] = 1.0 / jnp.maximum(jnp.sqrt((k * k).sum(axis=1)), NORM_FLOOR)
+
+    def sums_and_matches(t):  # pass 1, per row tile: the rows' sums of ``s`` and packed latest matches
+        inv_rows = row_chunk(inv_smem, t)
+        above_at = lax.broadcast_in_dim(threshold / inv_rows, tile, [0])  # s > threshold, before row scaling
+        sim_scale = lax.broadcast_in_dim(inv_rows * _SIM_SCALE, tile, [0])
+
+        def column_tile(pair, gram, carry):
+            c = pair[1]
+            x = gram * col_chunk(inv_smem, c)  # s(m, n) * norm[m]
+            ok = pair_mask(t, c)
+            above = x > above_at
+            if ok is not None:
+                x, above = jnp.where(ok, x, 0.0), above & ok
+            quantised = lax.bitcast_convert_type(x * sim_scale + (_SIM_OFFSET * _SIM_SCALE + 2.0 ** 23), jnp.int32)
+            total, latest = x.sum(axis=1), jnp.where(above, quantised + col_chunk(col_bits_smem, c), -1).max(axis=1)
+            return (total, latest) if carry is None else (carry[0] + total, jnp.maximum(carry[1], latest))
+
+        total, latest = grams([(t, c) for c in range(num_tiles)], column_tile)
+        rows_of(sums_smem, t)[...] = inv_rows * total
+        rows_of(match_smem, t)[...] = latest
+
+    @pl.when(live > 0)
+    def _block():
         for j in range(pages_per_block):
             page = page_tables_ref[row, lax.min(block * pages_per_block + j, num_pages - 1)]
-            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head],
-                                    k_smem.at[lax.rem(block, num_stages), pl.ds(j * page_size, page_size)],
-                                    k_bar.at[lax.rem(block, num_stages)])
-
-    for s in range(num_stages):
-        @pl.when(s < num_blocks)
-        def _prologue():
-            issue(s)
-
-    def block_step(block, _):
-        stage = lax.rem(block, num_stages)
-        keys = k_smem.at[stage]
-        live = num_pages * page_size - block * slots
-        plgpu.barrier_wait(k_bar.at[stage])
-
-        def gram(t, c):  # K[tile t] @ K[tile c]^T in f32
-            def mma(acc_ref):
-                rows, cols = keys.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], keys.at[pl.ds(c * TILE_ROWS, TILE_ROWS)]
-                plgpu.wgmma(acc_ref, rows, cols.T)
-                return acc_ref[...]
-            return pl.run_scoped(mma, plgpu.ACC(tile, jnp.float32))
-
-        def iota(dim):  # a fresh iota per use: sharing one across the passes defeats Mosaic's layout inference
-            return plgpu.broadcasted_iota(jnp.int32, tile, dim, layout=wgmma_layout)
-
-        def pairs(t, c):  # the tile's real pairs: None where a tile cannot hold the diagonal, other pages or dead slots
-            rows, cols = iota(0), iota(1)
-            if masked:
-                return (rows != cols) & (rows // page_size == cols // page_size) & (rows < live) & (cols < live)
-            return rows != cols if t == c else None
-
-        def col_chunk(ref, c):
-            return lax.broadcast_in_dim(plgpu.load(ref.at[pl.ds(c * TILE_ROWS, TILE_ROWS)], layout=col_vector),
-                                        tile, [1])
-
-        def row_chunk(ref, t):
-            return plgpu.load(ref.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], layout=row_vector)
-
-        plgpu.commit_smem()  # every warp is done with the previous block's vectors
-        for t in range(num_tiles):  # pass 0: inverse key norms
-            rows, cols = iota(0), iota(1)
-            norm_sq = jnp.where(rows == cols, gram(t, t), 0.0).sum(axis=1)
-            inv_smem[pl.ds(t * TILE_ROWS, TILE_ROWS)] = 1.0 / jnp.maximum(jnp.sqrt(norm_sq), NORM_FLOOR)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head], k_smem.at[pl.ds(j * page_size, page_size)],
+                                    barrier)
+        plgpu.copy_gmem_to_smem(col_bits_ref, col_bits_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        norms()
         plgpu.commit_smem()
-
-        for t in range(num_tiles):  # pass 1: each row's latest column above the threshold (-1: none)
-            inv_rows = lax.broadcast_in_dim(row_chunk(inv_smem, t), tile, [0])
-            latest = None
-            for c in range(num_tiles):
-                above = gram(t, c) * col_chunk(inv_smem, c) * inv_rows > threshold
-                ok = pairs(t, c)
-                above = above if ok is None else above & ok
-                cols_f = (iota(1) + c * TILE_ROWS).astype(jnp.float32)
-                found = jnp.where(above, cols_f, -1.0).max(axis=1)
-                latest = found if latest is None else jnp.maximum(latest, found)
-            latest_smem[pl.ds(t * TILE_ROWS, TILE_ROWS)] = latest
+        for t in range(num_tiles):
+            sums_and_matches(t)
         plgpu.commit_smem()
-
-        buf = lax.rem(block, 2)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy that last read this buffer is done
-        for t in range(num_tiles):  # pass 2: row sums less the similarities of the columns matched to the row
-            rows_f = (iota(0) + t * TILE_ROWS).astype(jnp.float32)
-            total = lost = None
-            for c in range(num_tiles):
-                x, ok = gram(t, c) * col_chunk(inv_smem, c), pairs(t, c)
-                x = x if ok is None else jnp.where(ok, x, 0.0)
-                x_sum, x_lost = x.sum(axis=1), jnp.where(col_chunk(latest_smem, c) == rows_f, x, 0.0).sum(axis=1)
-                total, lost = (x_sum, x_lost) if total is None else (total + x_sum, lost + x_lost)
-            out_smem[buf, pl.ds(t * TILE_ROWS, TILE_ROWS)] = row_chunk(inv_smem, t) * (total - lost)
-
-        @pl.when(block + num_stages < num_blocks)
-        def _refill():  # every wgmma reading this stage has completed
-            issue(block + num_stages)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[buf], o_ref.at[row, kv_head, pl.ds(block * slots, slots)])
-
-    lax.fori_loop(0, num_blocks, block_step, None)
-    plgpu.wait_smem_to_gmem(0)
+        out = pl.ds(block * slots, slots)
+        plgpu.copy_smem_to_gmem(sums_smem, sums_ref.at[row, kv_head, out])
+        plgpu.copy_smem_to_gmem(match_smem, match_ref.at[row, kv_head, out])
+        plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("threshold", "num_stages", "interpret"))
-def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, num_stages=1, interpret=False):
+def _matched_similarity(match, slots):
+    """Per slot m, the sum of s(n, m) over the slots n whose latest match m is (``match`` packs n's latest
+    column within its block of ``slots`` and s): what the latest-match rule takes off m's row sum."""
+    batch, heads, num_slots = match.shape
+    found = match >= 0
+    column = match >> _COL_SHIFT
+    sim = (match & ((1 << _COL_SHIFT) - 1)).astype(jnp.float32) / _SIM_SCALE - _SIM_OFFSET
+    slot = jnp.arange(num_slots)
+    target = jnp.where(found, slot - slot % slots + column, slot)
+    flat = (jnp.arange(batch * heads)[:, None] * num_slots + target.reshape(batch * heads, num_slots)).ravel()
+    lost = jnp.zeros(batch * heads * num_slots, jnp.float32).at[flat].add(jnp.where(found, sim, 0.0).ravel())
+    return lost.reshape(batch, heads, num_slots)
+
+
+@functools.partial(jax.jit, static_argnames=("threshold", "interpret"))
+def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, interpret=False):
     """Raw lightning redundancy ``[B, Hkv, P * S]`` f32 of the requests' first ``num_pages [B]`` (full) pages
     in ``page_tables [B, P]`` of pool layer ``layer``: what ``redundancy_row_sums`` gives on their gathered keys
-    with ``redundancy="lightning"``; slots past the live pages are 0. One stage (the default) beats two on an
-    H200 (0.72 vs 1.01 ms a layer at Qwen3-8B shapes, B=64): the kernel is ALU-bound, so three CTAs a
-    multiprocessor beat a prefetched page. ``interpret`` may be
+    with ``redundancy="lightning"``; slots past the live pages are 0. ``interpret`` may be
     ``plgpu.InterpretGPUParams()`` to run on CPU."""
     num_pages = jnp.asarray(num_pages, jnp.int32)
     _check_inputs(k_pool, page_tables, num_pages)
@@ -162,29 +177,29 @@ def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, num_
     slots = block_slots(page_size)
     num_slots = table_pages * page_size
     num_blocks = pl.cdiv(num_slots, slots)
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    kernel = functools.partial(_row_sums_kernel, threshold=float(threshold), page_size=page_size,
-                               num_stages=num_stages)
-    out = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks * slots), jnp.float32),
-        grid=(num_kv_heads, batch),
-        grid_names=("h", "b"),
+    vector = lambda dtype: jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks * slots), dtype)  # noqa: E731
+    sums, match = plgpu.kernel(
+        functools.partial(_row_sums_kernel, threshold=float(threshold), page_size=page_size),
+        out_type=(vector(jnp.float32), vector(jnp.int32)),
+        grid=(num_kv_heads, batch, num_blocks),
+        grid_names=("h", "b", "p"),
         scratch_types=(
-            plgpu.SMEM((num_stages, slots, head_dim), k_pool.dtype, transforms=swizzled()),
-            plgpu.Barrier(num_arrivals=slots // page_size, num_barriers=num_stages),
+            plgpu.SMEM((slots, head_dim), k_pool.dtype, transforms=swizzled()),
+            plgpu.SMEM((slots,), jnp.int32),
+            plgpu.Barrier(num_arrivals=slots // page_size + 1),
             plgpu.SMEM((slots,), jnp.float32),
             plgpu.SMEM((slots,), jnp.float32),
-            plgpu.SMEM((2, slots), jnp.float32),
+            plgpu.SMEM((slots,), jnp.int32),
         ),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), num_pages, page_tables.astype(jnp.int32), k_pool)
-    live = jnp.arange(num_slots)[None, None, :] < (num_pages * page_size)[:, None, None]
-    return jnp.where(live, out[..., :num_slots], 0.0)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), num_pages, page_tables.astype(jnp.int32), k_pool,
+      (jnp.arange(slots, dtype=jnp.int32) << _COL_SHIFT) - _F32_2_23_BITS)
+    live = jnp.arange(num_blocks * slots)[None, None, :] < (num_pages * page_size)[:, None, None]
+    row_sums = sums - _matched_similarity(jnp.where(live, match, -1), slots)
+    return jnp.where(live, row_sums, 0.0)[..., :num_slots]
 
 
-def smem_bytes(page_size, head_dim, num_stages=1, itemsize=2):
-    """Shared memory of one CTA: the key blocks in flight and four f32 slot vectors."""
+def smem_bytes(page_size, head_dim, itemsize=2):
+    """Shared memory of one CTA: its key block and four 4-byte slot vectors."""
     slots = block_slots(page_size)
-    return num_stages * slots * head_dim * itemsize + 4 * slots * 4
+    return slots * head_dim * itemsize + 4 * slots * 4

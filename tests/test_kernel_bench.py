@@ -17,7 +17,7 @@ def test_compression_section_runs_on_cpu(tmp_path):
     parts = {(r["part"], r["impl"]) for r in rows}
     assert parts == {("scoring_one_layer", "kernel"), ("scoring_one_layer", "jnp"), ("scoring_one_layer", "kernel_s3"),
                      ("scoring_one_layer", "kernel_b64"),
-                     ("redundancy_one_layer", "kernel"), ("redundancy_one_layer", "kernel_s2"),
+                     ("redundancy_one_layer", "kernel"),
                      ("redundancy_one_layer", "jnp"),
                      ("compaction_one_layer", "mosaic_in_place"),
                      ("compaction_one_layer", "mosaic_in_place_g16"), ("compaction_one_layer", "mosaic_in_place_r32"), ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),

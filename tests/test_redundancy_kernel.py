@@ -60,7 +60,7 @@ CASES = [
     (16, 128, [5, 2], 6, 0.5),        # four pages per block, a partial last block, padded table
     (128, 64, [2], 2, 0.5),           # two 64-row tiles per page
     (32, 64, [1, 4, 3], 4, -0.1),     # two pages per block; a negative threshold (most pairs match)
-    (256, 64, [3], 3, 0.5),           # four tiles per page, three blocks through two stages
+    (256, 64, [3], 3, 0.5),           # four tiles per page, three blocks
 ]
 
 
