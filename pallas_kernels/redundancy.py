@@ -100,16 +100,15 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
         return rows != cols if t == c else None
 
     def col_chunk(ref, c):
-        return lax.broadcast_in_dim(plgpu.load(ref.at[pl.ds(c * TILE_ROWS, TILE_ROWS)], layout=col_vector),
-                                    tile, [1])
+        return lax.broadcast_in_dim(plgpu.load(rows_of(ref, c), layout=col_vector), tile, [1])
 
     def row_chunk(ref, t):
-        return plgpu.load(ref.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], layout=row_vector)
+        return plgpu.load(rows_of(ref, t), layout=row_vector)
 
     def norms():  # pass 0: inverse key norms, from the keys themselves
         for t in range(num_tiles):
-            k = plgpu.load(k_smem.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], layout=wgmma_layout).astype(jnp.float32)
-            inv_smem[pl.ds(t * TILE_ROWS, TILE_ROWS)] = 1.0 / jnp.maximum(jnp.sqrt((k * k).sum(axis=1)), NORM_FLOOR)
+            k = plgpu.load(rows_of(k_smem, t), layout=wgmma_layout).astype(jnp.float32)
+            rows_of(inv_smem, t)[...] = 1.0 / jnp.maximum(jnp.sqrt((k * k).sum(axis=1)), NORM_FLOOR)
 
     def sums_and_matches(t):  # pass 1, per row tile: the rows' sums of ``s`` and packed latest matches
         inv_rows = row_chunk(inv_smem, t)
