@@ -7,9 +7,8 @@ CTA per (request, head) left a ragged last wave (BENCHMARKS.md). With ``s(m, n)`
 keys m, n of the same page (0 on the diagonal and off the live range), per block:
 
 - pass 0: the key norms, from the keys in shared memory;
-- pass 1: per row tile, every 64x64 tile of ``K K^T`` (all issued at once, so the vector work on one overlaps
-  the next one's wgmma): each row's sum of ``s`` and its latest column with ``s`` above the threshold, packed
-  with that ``s`` into one int32 so a single max reduction finds both. ``s`` is symmetric, so row n's latest
+- pass 1: per row tile, every 64x64 tile of ``K K^T``: each row's sum of ``s`` and its latest column with ``s``
+  above the threshold, packed with that ``s`` into one int32 so a single max reduction finds both. ``s`` is symmetric, so row n's latest
   match is column n's latest row.
 
 The latest-match rule takes ``s(m*(n), n)`` off row ``m*(n)``'s sum: a scatter-add of one value per slot, done
@@ -79,16 +78,15 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
 
     def grams(pairs, body):
         """``carry = body(pair, acc, carry)`` over the f32 tiles ``acc = K[t] @ K[c]^T`` of ``pairs`` in order,
-        all issued at once, so the vector work on one tile overlaps the next tiles' wgmmas."""
-        def scoped(*accs):
-            for acc, (t, c) in zip(accs, pairs):
+        one wgmma at a time: issuing a row tile's four at once measured no faster (BENCHMARKS.md)."""
+        carry = None
+        for pair in pairs:
+            def mma(acc, t=pair[0], c=pair[1]):
                 plgpu.wgmma(acc, rows_of(k_smem, t), rows_of(k_smem, c).T)
-            carry = None
-            for i, (acc, pair) in enumerate(zip(accs, pairs)):
-                carry = body(pair, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i), carry)
-            return carry
+                return acc[...]
 
-        return pl.run_scoped(scoped, *[plgpu.ACC(tile, jnp.float32) for _ in pairs])
+            carry = body(pair, pl.run_scoped(mma, plgpu.ACC(tile, jnp.float32)), carry)
+        return carry
 
     def iota(dim):  # a fresh iota per use: sharing one across the passes defeats Mosaic's layout inference
         return plgpu.broadcasted_iota(jnp.int32, tile, dim, layout=wgmma_layout)
