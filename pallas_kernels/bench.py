@@ -415,12 +415,12 @@ def bench_compression(args):
                 return pool.at[layer, plan.dst_tables].set(pages)
             return one(k), one(v)
 
-        def kernel_compaction(row_group=8, block_rows=None):
+        def kernel_compaction(row_group=8, **blocks):
             return lambda k, v, layer: compact_slots(k, v, layer, kept, live_tables, plan.dst_tables, plan.valid,
-                                                     block_rows=block_rows, row_group=row_group, interpret=interpret)
+                                                     row_group=row_group, interpret=interpret, **blocks)
 
         for name, compact in (("mosaic_in_place", kernel_compaction()), ("mosaic_in_place_g16", kernel_compaction(16)),
-                              ("mosaic_in_place_r32", kernel_compaction(block_rows=32)),
+                              ("mosaic_in_place_r32_s2", kernel_compaction(block_rows=32, stages=2)),
                               ("xla_slot_gather_scatter", slot_compaction), ("xla_page_scatter", page_compaction)):
             def measure(row, compact=compact):
                 reps = args.comp_reps

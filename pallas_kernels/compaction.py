@@ -11,8 +11,8 @@ One CTA handles one (request, KV head) and walks its output blocks of ``block_ro
 order. Hopper TMA has no row gather, so a block's sources arrive as one single-row TMA copy per row (its pool
 row precomputed from the kept index and the page table; the indices of ``row_group`` rows are read before
 their copies are issued, so the reads overlap) into plain SMEM, all on one barrier; the block then
-leaves as one TMA store (a block lies inside one destination page). Two staging buffers: the next block's
-gathers are in flight while the current block is stored.
+leaves as one TMA store (a block lies inside one destination page). ``stages`` staging buffers: the next
+``stages - 1`` blocks' gathers are in flight while the current block is stored.
 
 Why this is safe in place, given what the block manager guarantees:
 
@@ -22,7 +22,7 @@ Why this is safe in place, given what the block manager guarantees:
 * ``kept`` is strictly ascending, so ``kept[j] >= j``: source slot ``j`` is read only by outputs ``<= j``.
   Block ``n`` reads slots ``>= n * block_rows`` and writes slots ``[n, n + 1) * block_rows``; all of its reads
   complete before its store is issued, and later blocks' stores touch only slots above it. Reads in flight
-  for block ``n + 1`` never meet the store of block ``n``.
+  for any later block never meet the store of block ``n``.
 * The valid rows' destination pages are distinct and in-place pages belong to one request only (shared
   pages are copied on write), so different (request, head) CTAs touch disjoint memory.
 
@@ -43,17 +43,20 @@ SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA dynamic shared memory
 
 
 def default_block_rows(page_size):
-    """32-row blocks (the page size if smaller): 32 KiB of staging at D = 128 bf16, so more CTAs share a
-    multiprocessor (0.43 vs 0.59 ms a layer with 64 rows on an H200, Qwen3-8B shapes, B=64)."""
-    return min(page_size, 32)
+    """16-row blocks (the page size if smaller), four in flight: 32 KiB of staging at D = 128 bf16 (on an H200
+    at Qwen3-8B shapes, B=64: 0.371 ms a layer, against 0.387 for 32 rows two in flight and 0.48 for 64 rows)."""
+    return min(page_size, 16)
 
 
-def smem_bytes(block_rows, head_dim, itemsize=2):
-    """Shared memory of one CTA: two staging buffers for each of K and V."""
-    return 2 * 2 * block_rows * head_dim * itemsize
+DEFAULT_STAGES = 4  # blocks whose gathers are in flight; six measured the same as four, and 32 rows x 4 slower
 
 
-def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_rows):
+def smem_bytes(block_rows, head_dim, itemsize=2, stages=DEFAULT_STAGES):
+    """Shared memory of one CTA: ``stages`` staging buffers for each of K and V."""
+    return 2 * stages * block_rows * head_dim * itemsize
+
+
+def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_rows, stages):
     if k_pool.ndim != 5:
         raise ValueError(f"k_pool must be [L, pages, Hkv, S, D], got {k_pool.shape}")
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
@@ -79,7 +82,7 @@ def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_row
             raise ValueError(f"{name} must be integer, got {x.dtype}")
     if block_rows < 1 or page_size % block_rows:
         raise ValueError(f"block_rows {block_rows} must divide the page size {page_size}")
-    if smem_bytes(block_rows, head_dim, k_pool.dtype.itemsize) > SMEM_LIMIT:
+    if smem_bytes(block_rows, head_dim, k_pool.dtype.itemsize, stages) > SMEM_LIMIT:
         raise ValueError(f"block_rows {block_rows}: staging exceeds {SMEM_LIMIT} bytes of shared memory")
 
 
@@ -88,6 +91,7 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
     head, row = lax.axis_index("h"), lax.axis_index("b")
     layer = layer_ref[0]
     group = math.gcd(block_rows, row_group)
+    stages = k_stage.shape[0]
 
     def gather(block, buf):  # one single-row TMA per kept slot and pool, all arriving on ``bars[buf]``
         def rows(i, _):  # the group's pool rows are loaded first, so their latencies overlap
@@ -102,13 +106,14 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
         lax.fori_loop(0, block_rows // group, rows, None)
 
     def step(block, _):
-        buf = lax.rem(block, 2)
+        buf = lax.rem(block, stages)
         plgpu.barrier_wait(bars.at[buf])  # this block's sources are all in SMEM
+        ahead = block + stages - 1
 
-        @pl.when(block + 1 < num_blocks)
+        @pl.when(ahead < num_blocks)
         def _prefetch():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has read buffer 1 - buf
-            gather(block + 1, 1 - buf)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has read its buffer
+            gather(ahead, lax.rem(ahead, stages))
 
         slot0 = block * block_rows
         page, offset = dst_ref[row, slot0 // page_size], slot0 % page_size
@@ -119,15 +124,16 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
 
     @pl.when(valid_ref[row] != 0)
     def _compact():
-        gather(0, 0)
+        for block in range(min(stages - 1, num_blocks)):
+            gather(block, block)
         lax.fori_loop(0, num_blocks, step, None)
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "row_group", "interpret"),
+@functools.partial(jax.jit, static_argnames=("block_rows", "row_group", "stages", "interpret"),
                    donate_argnames=("k_pool", "v_pool"))
 def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *, block_rows=None, row_group=8,
-                  interpret=False):
+                  stages=DEFAULT_STAGES, interpret=False):
     """``(k_pool, v_pool)`` with, per valid row ``b`` and KV head ``h``, output slot ``j`` (page
     ``dst_tables[b, j // S]``, offset ``j % S``) of layer ``layer`` set to source slot ``kept[b, h, j]`` (page
     ``src_tables[b, kept // S]``); everything else is untouched. Bit-exact ``gather_slots`` + ``scatter_slots``.
@@ -138,13 +144,16 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     way. ``layer`` is a (traced) int32 scalar; ``kept [B, Hkv, M * S]`` strictly ascending per (row, head) and
     in ``[0, P * S)`` (traced, so not checked); ``dst_tables [B, M]``, ``src_tables [B, P]``, ``valid [B]``, with
     the page guarantees of the module docstring. ``block_rows`` (default ``default_block_rows(S)``) must
-    divide S; ``row_group`` kept rows have their indices read together before their copies are issued (8 on
-    an H200: 0.58 ms a layer at Qwen3-8B shapes, B=64, 64-row blocks, against 0.77 one at a time).
+    divide S; ``stages`` (>= 2) blocks are staged at once; ``row_group`` kept rows have their indices read
+    together before their copies are issued (8 on an H200: 0.58 ms a layer at Qwen3-8B shapes, B=64, 64-row
+    blocks, against 0.77 one at a time).
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU.
     """
     page_size = k_pool.shape[3]
     block_rows = block_rows or default_block_rows(page_size)
-    _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_rows)
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_rows, stages)
     if row_group < 1:
         raise ValueError(f"row_group must be >= 1, got {row_group}")
     batch, num_kv_heads, keep = kept.shape
@@ -162,9 +171,9 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
         grid=(num_kv_heads, batch),
         grid_names=("h", "b"),
         scratch_types=(
-            plgpu.SMEM((2, block_rows, head_dim), dtype),
-            plgpu.SMEM((2, block_rows, head_dim), dtype),
-            plgpu.Barrier(num_arrivals=2 * block_rows, num_barriers=2),
+            plgpu.SMEM((stages, block_rows, head_dim), dtype),
+            plgpu.SMEM((stages, block_rows, head_dim), dtype),
+            plgpu.Barrier(num_arrivals=2 * block_rows, num_barriers=stages),
         ),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32),

@@ -78,23 +78,23 @@ def check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, **k
 
 
 CASES = [
-    # page_size, head_dim, dtype, block_rows, num_dst, num_src, rows
-    (16, 64, jnp.bfloat16, 8, 2, 4,
+    # page_size, head_dim, dtype, block_rows, stages, num_dst, num_src, rows
+    (16, 64, jnp.bfloat16, 8, 3, 2, 4,
      [("inplace", "random"), ("cow", "first"), ("padding", "random"), ("inplace", "last")]),
-    (64, 128, jnp.float16, None, 1, 2, [("inplace", "last"), ("padding", "first"), ("cow", "random")]),
-    (64, 64, jnp.bfloat16, 16, 2, 3, [("cow", "last"), ("inplace", "random")]),   # 8 blocks per CTA
-    (16, 128, jnp.bfloat16, None, 3, 4, [("inplace", "first"), ("cow", "random")]),
+    (64, 128, jnp.float16, None, 2, 1, 2, [("inplace", "last"), ("padding", "first"), ("cow", "random")]),
+    (64, 64, jnp.bfloat16, 16, 4, 2, 3, [("cow", "last"), ("inplace", "random")]),   # 8 blocks per CTA
+    (16, 128, jnp.bfloat16, None, 2, 3, 4, [("inplace", "first"), ("cow", "random")]),
 ]
 
 
-@pytest.mark.parametrize("page_size,head_dim,dtype,block_rows,num_dst,num_src,rows", CASES)
-def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_rows, num_dst, num_src, rows):
+@pytest.mark.parametrize("page_size,head_dim,dtype,block_rows,stages,num_dst,num_src,rows", CASES)
+def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_rows, stages, num_dst, num_src, rows):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype)
     layer = int(rng.integers(1, problem[0].shape[0]))
     k_pool, v_pool, kept, src, dst, valid = problem
-    check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, block_rows=block_rows,
+    check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, block_rows=block_rows, stages=stages,
                          interpret=INTERPRET)
 
 
