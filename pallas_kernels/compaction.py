@@ -82,8 +82,11 @@ def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_row
             raise ValueError(f"{name} must be integer, got {x.dtype}")
     if block_rows < 1 or page_size % block_rows:
         raise ValueError(f"block_rows {block_rows} must divide the page size {page_size}")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
     if smem_bytes(block_rows, head_dim, k_pool.dtype.itemsize, stages) > SMEM_LIMIT:
-        raise ValueError(f"block_rows {block_rows}: staging exceeds {SMEM_LIMIT} bytes of shared memory")
+        raise ValueError(f"block_rows {block_rows} x stages {stages}: staging exceeds {SMEM_LIMIT} bytes of "
+                         f"shared memory")
 
 
 def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_stage, v_stage, bars, *,
@@ -151,8 +154,6 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     """
     page_size = k_pool.shape[3]
     block_rows = block_rows or default_block_rows(page_size)
-    if stages < 2:
-        raise ValueError(f"stages must be >= 2, got {stages}")
     _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_rows, stages)
     if row_group < 1:
         raise ValueError(f"row_group must be >= 1, got {row_group}")

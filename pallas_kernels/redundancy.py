@@ -8,14 +8,14 @@ keys m, n of the same page (0 on the diagonal and off the live range), per block
 
 - pass 0: the key norms, from the keys in shared memory;
 - pass 1: per row tile, every 64x64 tile of ``K K^T``: each row's sum of ``s`` and its latest column with ``s``
-  above the threshold, packed with that ``s`` into one int32 so a single max reduction finds both. ``s`` is symmetric, so row n's latest
-  match is column n's latest row.
+  above the threshold, packed with that ``s`` into one int32 so a single max reduction finds both. ``s`` is
+  symmetric, so row n's latest match is column n's latest row.
 
 The latest-match rule takes ``s(m*(n), n)`` off row ``m*(n)``'s sum: a scatter-add of one value per slot, done
 in jnp on the kernel's packed matches (``_matched_similarity``), so no tile is computed twice. Thresholds
 compare ``K K^T * inv_norm[n]`` with ``threshold * norm[m]``. This is the "lightning" row sum of
 ``zipage_jax.compression.scoring.redundancy_row_sums`` (before its softmax, which is O(slots) jnp). Scratch per
-CTA: the key blocks and a few ``R``-vectors in shared memory; global memory holds two ``[B, Hkv, N]`` vectors.
+CTA: the key block and a few ``R``-vectors in shared memory; global memory holds two ``[B, Hkv, N]`` vectors.
 """
 
 import functools

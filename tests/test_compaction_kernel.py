@@ -157,11 +157,12 @@ def test_compress_through_the_kernel_equals_compress():
         np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {name} pool")
 
 
-@pytest.mark.parametrize("bad", ["k_pool", "v_pool", "kept", "src_tables", "dst_tables", "valid", "block_rows"])
+@pytest.mark.parametrize("bad", ["k_pool", "v_pool", "kept", "src_tables", "dst_tables", "valid", "block_rows",
+                                 "stages"])
 def test_compaction_rejects_bad_input(bad):
     rng = np.random.default_rng()
     k_pool, v_pool, kept, src, dst, valid = random_problem(rng, [("inplace", "random")] * 2, 16, 64, 2, 3)
-    block_rows = None
+    block_rows, stages = None, 2
     if bad == "k_pool":
         k_pool = v_pool = k_pool.astype(jnp.float32)
     elif bad == "v_pool":
@@ -174,10 +175,13 @@ def test_compaction_rejects_bad_input(bad):
         dst = dst[0]
     elif bad == "valid":
         valid = valid[:1]
+    elif bad == "stages":
+        stages = 1
     else:
         block_rows = 5
     with pytest.raises(ValueError, match=bad):
-        compact_slots(k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows, interpret=INTERPRET)
+        compact_slots(k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows, stages=stages,
+                      interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("page_size,head_dim,block_rows", [(256, 128, None), (16, 64, None), (64, 128, 32)])
