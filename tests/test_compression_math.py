@@ -251,6 +251,17 @@ def test_select_slots_matches_numpy_top_k():
         select_slots(jnp.asarray(scores), n + 1)
 
 
+@pytest.mark.parametrize("keep", [1, 7, 39, 40])
+def test_select_slots_breaks_ties_by_slot(keep):
+    """Plateaus of equal scores (signed zeros count as equal) and -inf padding: the earlier slot always wins."""
+    rng = np.random.default_rng()
+    values = np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, np.inf], np.float32)
+    scores = rng.choice(values, size=(5, 40)).astype(np.float32)
+    got = np.asarray(select_slots(jnp.asarray(scores), keep))
+    for row in range(scores.shape[0]):
+        np.testing.assert_array_equal(got[row], np_top_k(scores[row], keep))
+
+
 def dense_attention(q, keys, values):
     """q [Hq, D]; keys/values per KV head ``[Hkv, n, D]`` → [Hq, D] (float64)."""
     hq, hkv = q.shape[0], keys.shape[0]
