@@ -420,7 +420,7 @@ def bench_compression(args):
                                                      row_group=row_group, interpret=interpret, **blocks)
 
         for name, compact in (("mosaic_in_place", kernel_compaction()), ("mosaic_in_place_g16", kernel_compaction(16)),
-                              ("mosaic_in_place_r32_s2", kernel_compaction(block_rows=32, stages=2)),
+                              ("mosaic_in_place_row_by_row", kernel_compaction(max_run=1)),
                               ("xla_slot_gather_scatter", slot_compaction), ("xla_page_scatter", page_compaction)):
             def measure(row, compact=compact):
                 reps = args.comp_reps

@@ -24,19 +24,23 @@ def fresh_seed():
     return int(np.random.SeedSequence().entropy % 2**31)
 
 
-def random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype=jnp.bfloat16, layers=3, num_kv_heads=2):
+def random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype=jnp.bfloat16, layers=3, num_kv_heads=2,
+                   shuffled=True):
     """Pools, tables and kept slots for ``rows``: (target, selection) pairs.
 
     target: "inplace" (dst = the row's first source pages), "cow" (some dst pages fresh, the rest in place)
     or "padding" (valid False; its dst are its own source pages, so a write would show). selection: "random"
-    (per head), "first" or "last" K source slots. Source pages are distinct and shuffled; page 0 is unused.
+    (per head), "first" or "last" K source slots, or "runs" (per head: one evicted range at a random offset plus
+    scattered single slots, so long runs of kept rows straddle source pages at unaligned offsets). Source pages
+    are distinct and shuffled (``shuffled``; else consecutive, so a run's pool rows can cross into the next
+    page); page 0 is unused.
     """
     batch, keep = len(rows), num_dst * page_size
     num_pages = 1 + batch * (num_src + num_dst) + 2  # spare pages nobody references
     shape = (layers, num_pages, num_kv_heads, page_size, head_dim)
     k_pool = jnp.asarray(rng.standard_normal(shape), dtype)
     v_pool = jnp.asarray(rng.standard_normal(shape), dtype)
-    ids = rng.permutation(np.arange(1, num_pages))
+    ids = rng.permutation(np.arange(1, num_pages)) if shuffled else np.arange(1, num_pages)
     src = ids[:batch * num_src].reshape(batch, num_src)
     fresh = iter(ids[batch * num_src:])
     dst = src[:, :num_dst].copy()
@@ -47,11 +51,22 @@ def random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype=jnp.b
             for i in rng.permutation(num_dst)[:max(1, num_dst // 2)]:
                 dst[b, i] = next(fresh)
         for h in range(num_kv_heads):
-            kept[b, h] = {"first": np.arange(keep), "last": np.arange(num_slots - keep, num_slots),
-                          "random": np.sort(rng.choice(num_slots, keep, replace=False))}[selection]
+            kept[b, h] = {"first": lambda: np.arange(keep), "last": lambda: np.arange(num_slots - keep, num_slots),
+                          "random": lambda: np.sort(rng.choice(num_slots, keep, replace=False)),
+                          "runs": lambda: runs_selection(rng, num_slots, keep)}[selection]()
     valid = np.array([target != "padding" for target, _ in rows])
     return (k_pool, v_pool, jnp.asarray(kept), jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32),
             jnp.asarray(valid))
+
+
+def runs_selection(rng, num_slots, keep):
+    """``keep`` ascending slots: all but one evicted range at a random offset and a few scattered slots."""
+    evict = num_slots - keep
+    span = evict - evict // 4
+    start = int(rng.integers(0, num_slots - span + 1))
+    ranged = np.arange(start, start + span)
+    rest = rng.choice(np.setdiff1d(np.arange(num_slots), ranged), evict - span, replace=False)
+    return np.setdiff1d(np.arange(num_slots), np.concatenate([ranged, rest])).astype(np.int32)
 
 
 def oracle(pool, layer, kept, src, dst, valid):
@@ -78,24 +93,39 @@ def check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, **k
 
 
 CASES = [
-    # page_size, head_dim, dtype, block_rows, stages, num_dst, num_src, rows
-    (16, 64, jnp.bfloat16, 8, 3, 2, 4,
-     [("inplace", "random"), ("cow", "first"), ("padding", "random"), ("inplace", "last")]),
-    (64, 128, jnp.float16, None, 2, 1, 2, [("inplace", "last"), ("padding", "first"), ("cow", "random")]),
-    (64, 64, jnp.bfloat16, 16, 4, 2, 3, [("cow", "last"), ("inplace", "random")]),   # 8 blocks per CTA
-    (16, 128, jnp.bfloat16, None, 2, 3, 4, [("inplace", "first"), ("cow", "random")]),
+    # page_size, head_dim, dtype, block_rows, stages, max_run, num_dst, num_src, rows
+    (16, 64, jnp.bfloat16, 8, 3, 8, 2, 4,
+     [("inplace", "random"), ("cow", "first"), ("padding", "runs"), ("inplace", "last")]),
+    (64, 128, jnp.float16, None, 2, 4, 1, 2, [("inplace", "last"), ("padding", "first"), ("cow", "runs")]),
+    (64, 64, jnp.bfloat16, 16, 4, 8, 2, 3, [("cow", "runs"), ("inplace", "random")]),   # 8 blocks per CTA
+    (16, 128, jnp.bfloat16, None, 2, 1, 3, 4, [("inplace", "first"), ("cow", "runs")]),  # row by row
+    (32, 64, jnp.bfloat16, None, 3, 2, 3, 4, [("inplace", "runs"), ("cow", "runs"), ("inplace", "random")]),
 ]
+UNSHUFFLED = (16, 64, jnp.bfloat16, 8, 2, 8, 3, 4, [("inplace", "runs"), ("cow", "runs"), ("inplace", "last")])
 
 
-@pytest.mark.parametrize("page_size,head_dim,dtype,block_rows,stages,num_dst,num_src,rows", CASES)
-def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_rows, stages, num_dst, num_src, rows):
+@pytest.mark.parametrize("page_size,head_dim,dtype,block_rows,stages,max_run,num_dst,num_src,rows", CASES)
+def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_rows, stages, max_run, num_dst, num_src,
+                                           rows):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype)
     layer = int(rng.integers(1, problem[0].shape[0]))
     k_pool, v_pool, kept, src, dst, valid = problem
     check_against_oracle(seed, k_pool, v_pool, layer, kept, src, dst, valid, block_rows=block_rows, stages=stages,
-                         interpret=INTERPRET)
+                         max_run=max_run, interpret=INTERPRET)
+
+
+def test_compaction_runs_stop_at_page_ends():
+    """Consecutive pool pages: a run of source rows is one copy only inside one page, where memory is contiguous."""
+    page_size, head_dim, dtype, block_rows, stages, max_run, num_dst, num_src, rows = UNSHUFFLED
+    for _ in range(3):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        k_pool, v_pool, kept, src, dst, valid = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype,
+                                                               shuffled=False)
+        check_against_oracle(seed, k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows, stages=stages,
+                             max_run=max_run, interpret=INTERPRET)
 
 
 def test_pools_are_updated_in_place():
@@ -158,11 +188,11 @@ def test_compress_through_the_kernel_equals_compress():
 
 
 @pytest.mark.parametrize("bad", ["k_pool", "v_pool", "kept", "src_tables", "dst_tables", "valid", "block_rows",
-                                 "stages"])
+                                 "stages", "max_run"])
 def test_compaction_rejects_bad_input(bad):
     rng = np.random.default_rng()
     k_pool, v_pool, kept, src, dst, valid = random_problem(rng, [("inplace", "random")] * 2, 16, 64, 2, 3)
-    block_rows, stages = None, 2
+    block_rows, stages, max_run = None, 2, 8
     if bad == "k_pool":
         k_pool = v_pool = k_pool.astype(jnp.float32)
     elif bad == "v_pool":
@@ -177,11 +207,13 @@ def test_compaction_rejects_bad_input(bad):
         valid = valid[:1]
     elif bad == "stages":
         stages = 1
+    elif bad == "max_run":
+        max_run = 6
     else:
         block_rows = 5
     with pytest.raises(ValueError, match=bad):
         compact_slots(k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows, stages=stages,
-                      interpret=INTERPRET)
+                      max_run=max_run, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("page_size,head_dim,block_rows", [(256, 128, None), (16, 64, None), (64, 128, 32)])
