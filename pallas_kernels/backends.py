@@ -8,6 +8,7 @@ from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.scoring import window_scores
+from pallas_kernels.selection import selection_threshold
 from zipage_jax.attention import ReferenceBackend, register_backend
 
 
@@ -15,7 +16,7 @@ from zipage_jax.attention import ReferenceBackend, register_backend
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeBackend(ReferenceBackend):
     """Hopper: the Mosaic GPU paged decode and compression kernels (window attention, lightning redundancy,
-    in-place compaction); XLA prefill; KV write as an in-place XLA scatter."""
+    selection threshold, in-place compaction); XLA prefill; KV write as an in-place XLA scatter."""
 
     name = "mosaic_decode"
 
@@ -27,6 +28,9 @@ class MosaicDecodeBackend(ReferenceBackend):
 
     def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
         return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold)
+
+    def selection_threshold(self, key, keep):
+        return selection_threshold(key, keep)
 
     def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
         return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid)

@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compaction import compact_slots
+from pallas_kernels.selection import selection_threshold
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.redundancy import lightning_row_sums, smem_bytes as redundancy_smem_bytes
@@ -241,6 +242,9 @@ class InterpretedScoring:
         return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold,
                                   interpret=plgpu.InterpretGPUParams())
 
+    def selection_threshold(self, key, keep):
+        return selection_threshold(key, keep, interpret=plgpu.InterpretGPUParams())
+
     def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
         return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid,
                              interpret=plgpu.InterpretGPUParams())
@@ -401,8 +405,18 @@ def bench_compression(args):
 
             rows.append(record(dict(shape_row, part="redundancy_one_layer", impl=name), measure, args.verbose))
 
-        kept = select_slots(jax.random.uniform(jax.random.key(7), (batch, hkv, (budget + 1) * page_size)),
-                            budget * page_size)
+        scores = jax.random.uniform(jax.random.key(7), (batch, hkv, (budget + 1) * page_size))
+        kept = select_slots(scores, budget * page_size)
+        kernel_threshold = functools.partial(selection_threshold, interpret=interpret)
+        for name, threshold in (("sorted_threshold", None), ("kernel_threshold", kernel_threshold)):
+            def measure(row, threshold=threshold):
+                # the layer shifts the scores (order unchanged) so the chained calls are not loop-invariant
+                fn = lambda layer, s: select_slots(s + layer, budget * page_size, threshold)  # noqa: E731
+                row["exact"] = bool((jax.jit(functools.partial(fn, 0))(scores) == kept).all())
+                row["ms"] = seconds_per_layer_call(fn, args.comp_reps, num_layers, scores) * 1e3
+                row["ok"] = row["exact"]
+
+            rows.append(record(dict(shape_row, part="selection_one_layer", impl=name), measure, args.verbose))
         live_tables = plan.src_tables[:, :budget + 1]
 
         def slot_compaction(k, v, layer):

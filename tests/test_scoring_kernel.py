@@ -17,6 +17,7 @@ from pallas_kernels.compaction import compact_slots
 from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import window_scores
+from pallas_kernels.selection import selection_threshold
 from zipage_jax import attention, weights
 from zipage_jax.attention import ReferenceBackend, ShardedBackend, resolve_backend
 from zipage_jax.bench import MODEL_SHAPES, BenchEngine
@@ -87,6 +88,9 @@ class InterpretedKernelBackend(ReferenceBackend):
 
     def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
         return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, interpret=INTERPRET)
+
+    def selection_threshold(self, key, keep):
+        return selection_threshold(key, keep, interpret=INTERPRET)
 
     def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
         return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, interpret=INTERPRET)

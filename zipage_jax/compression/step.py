@@ -112,11 +112,12 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]
     compactor = getattr(backend, "compact_slots", None) or compact_slots
+    threshold = getattr(backend, "selection_threshold", None)
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
         scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)
-        kept = select_slots(scores, keep)  # [B, Hkv, keep]
+        kept = select_slots(scores, keep, threshold)  # [B, Hkv, keep]
         k_pool, v_pool = compactor(k_pool, v_pool, layer, kept, plan.src_tables, plan.dst_tables, plan.valid)
         if cfg.tracks_history:
             kept_history = jnp.take_along_axis(history, kept, axis=2)
