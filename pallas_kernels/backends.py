@@ -8,8 +8,9 @@ from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.scoring import window_scores
-from pallas_kernels.selection import selection_threshold
+from pallas_kernels.selection import MAX_SLOTS, selection_threshold
 from zipage_jax.attention import ReferenceBackend, register_backend
+from zipage_jax.compression.selection import sorted_threshold
 
 
 @register_backend
@@ -30,6 +31,9 @@ class MosaicDecodeBackend(ReferenceBackend):
         return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold)
 
     def selection_threshold(self, key, keep):
+        """The kernel where a row's keys fit its shared memory, else the sort."""
+        if key.shape[1] > MAX_SLOTS:
+            return sorted_threshold(key, keep)
         return selection_threshold(key, keep)
 
     def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):

@@ -29,12 +29,12 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compaction import compact_slots
-from pallas_kernels.selection import selection_threshold
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.redundancy import lightning_row_sums, smem_bytes as redundancy_smem_bytes
 from pallas_kernels.reference import gather_request_kv, paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.scoring import default_block_kv, scratch_bytes, smem_bytes, window_scores
+from pallas_kernels.selection import selection_threshold
 
 MAX_REL_ERR = 1e-2
 

@@ -15,15 +15,20 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LANES = 128  # keys per SMEM row: a warpgroup's threads each hold N / 128 of them
+MAX_SLOTS = 48 * 1024  # the row's keys must fit shared memory (192 KiB); longer rows use the sort
+_COPY_ROWS = 256  # a TMA box spans at most 256 SMEM rows: longer rows arrive in several copies
 _WORST_KEY = 2 ** 31 - 1  # padding: ranks after every real key
 
 
 def _threshold_kernel(key_ref, out_ref, key_smem, out_smem, barrier, *, keep, slot_bits):
     row = lax.axis_index("r")
-    plgpu.copy_gmem_to_smem(key_ref.at[row], key_smem, barrier)
+    for start in range(0, key_smem.shape[0], _COPY_ROWS):
+        rows = pl.ds(start, min(_COPY_ROWS, key_smem.shape[0] - start))
+        plgpu.copy_gmem_to_smem(key_ref.at[row, rows], key_smem.at[rows], barrier)
     plgpu.barrier_wait(barrier)
     layout = plgpu.Layout.WG_STRIDED(key_smem.shape, vec_size=1)
 
@@ -60,13 +65,16 @@ def _threshold_kernel(key_ref, out_ref, key_smem, out_smem, barrier, *, keep, sl
 def selection_threshold(key, keep, *, interpret=False):
     """``(last_key, last_slot)``, each ``[R]`` int32: per row of ``key [R, N]`` int32, the ``keep``-th smallest
     (key, slot) pair in (key, slot) order, as ``zipage_jax.compression.selection.sorted_threshold`` gives.
-    ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    N is at most ``MAX_SLOTS``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     if key.ndim != 2 or key.dtype != jnp.int32:
         raise ValueError(f"key must be [R, N] int32, got {key.shape} {key.dtype}")
     rows, num_slots = key.shape
+    if num_slots > MAX_SLOTS:
+        raise ValueError(f"key rows of {num_slots} slots exceed the kernel's {MAX_SLOTS} (shared memory)")
     if not 0 < keep <= num_slots:
         raise ValueError(f"keep: must be in [1, {num_slots}] (got {keep})")
     padded = -(-num_slots // LANES) * LANES
+    copies = -(-padded // (LANES * _COPY_ROWS))
     key = jnp.pad(key, ((0, 0), (0, padded - num_slots)), constant_values=_WORST_KEY)
     out = plgpu.kernel(
         functools.partial(_threshold_kernel, keep=keep, slot_bits=max(1, math.ceil(math.log2(padded)))),
@@ -74,7 +82,7 @@ def selection_threshold(key, keep, *, interpret=False):
         grid=(rows,),
         grid_names=("r",),
         scratch_types=(plgpu.SMEM((padded // LANES, LANES), jnp.int32), plgpu.SMEM((2, LANES), jnp.int32),
-                       plgpu.Barrier()),
+                       plgpu.Barrier(num_arrivals=copies)),
         interpret=interpret,
     )(key.reshape(rows, padded // LANES, LANES))
     return out[:, 0, 0], out[:, 1, 0]

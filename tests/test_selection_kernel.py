@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.selection import selection_threshold
+from pallas_kernels.backends import MosaicBackend
+from pallas_kernels.selection import MAX_SLOTS, selection_threshold
 from zipage_jax.compression.selection import descending_key, select_slots, sorted_threshold
 
 INTERPRET = plgpu.InterpretGPUParams()
@@ -32,7 +33,8 @@ def random_scores(rng, rows, num_slots):
     return scores
 
 
-@pytest.mark.parametrize("num_slots,keeps", [(48, (1, 20, 47, 48)), (300, (7, 150, 299)), (512, (384, 511))])
+@pytest.mark.parametrize("num_slots,keeps", [(48, (1, 20, 47, 48)), (300, (7, 150, 299)), (512, (384, 511)),
+                                            (33000, (32000,))])  # the last: two TMA copies a row
 def test_threshold_matches_the_stable_sort(num_slots, keeps):
     seed = fresh_seed()
     key = descending_key(jnp.asarray(random_scores(np.random.default_rng(seed), 5, num_slots)))
@@ -51,19 +53,28 @@ def test_select_slots_through_the_kernel_equals_the_sort():
                                   err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("bad", ["key", "keep"])
+def test_long_rows_fall_back_to_the_sort():
+    """Rows longer than the kernel's shared memory holds: the backend sorts (no kernel runs on CPU here)."""
+    seed = fresh_seed()
+    key = descending_key(jnp.asarray(random_scores(np.random.default_rng(seed), 4, MAX_SLOTS + 128)))
+    for g, w in zip(MosaicBackend().selection_threshold(key, MAX_SLOTS), sorted_threshold(key, MAX_SLOTS)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("bad", ["key", "keep", "long key"])
 def test_threshold_rejects_bad_input(bad):
-    key = jnp.zeros((2, 64), jnp.int32)
+    key = jnp.zeros((2, MAX_SLOTS + 1 if bad == "long key" else 64), jnp.int32)
     keep = 65 if bad == "keep" else 8
     if bad == "key":
         key = key.astype(jnp.float32)
-    with pytest.raises(ValueError, match=bad):
+    with pytest.raises(ValueError, match=bad.split()[-1]):
         selection_threshold(key, keep, interpret=INTERPRET)
 
 
-def test_threshold_lowers_for_hopper():
+@pytest.mark.parametrize("num_slots", [2304, MAX_SLOTS])  # the longest rows arrive in several TMA copies
+def test_threshold_lowers_for_hopper(num_slots):
     """Mosaic GPU lowering runs on CPU, so lowering errors show up without a GPU."""
-    lowered = selection_threshold.trace(jax.ShapeDtypeStruct((512, 2304), jnp.int32), 2048)
+    lowered = selection_threshold.trace(jax.ShapeDtypeStruct((512, num_slots), jnp.int32), num_slots - 256)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
