@@ -10,8 +10,9 @@ and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Tri
 
 ``--sections compression`` benchmarks one compression of a batch of requests (DESIGN §3) at a model's shapes
 with random weights and KV: the scoring kernels (window attention, lightning redundancy) against their jnp
-references (one layer), compaction variants (one layer), the whole jitted compression step (kernels and jnp)
-against one decode forward of the same requests over the same pool, and the scratch memory of each. Every row records its error instead of
+references (one layer), the selection with the sorted and the kernel threshold (one layer), compaction
+variants (one layer), the whole jitted compression step (kernels and jnp) against one decode forward of the
+same requests over the same pool, and the scratch memory of each. Every row records its error instead of
 stopping the run.
 """
 

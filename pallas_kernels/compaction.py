@@ -14,9 +14,10 @@ rows are read before their copies are issued, so the reads overlap) into plain S
 A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that is
 one run inside one source page goes as one copy, else each half is tried the same way, down to single rows.
 With 11 % of slots evicted at random that issues about a third of the copies of row by row; row by row the
-kernel is bound by copy issue (2.9 TB/s), with runs it moves 3.5 TB/s (BENCHMARKS.md). Every span makes up its skipped copies' barrier arrivals; the block then
-leaves as one TMA store (a block lies inside one destination page). ``stages`` staging buffers: the next
-``stages - 1`` blocks' gathers are in flight while the current block is stored.
+kernel is bound by copy issue (2.9 TB/s), with runs it moves 3.5 TB/s (BENCHMARKS.md). Every span makes up
+its skipped copies' barrier arrivals; the block then leaves as one TMA store (a block lies inside one
+destination page). ``stages`` staging buffers: the next ``stages - 1`` blocks' gathers are in flight while
+the current block is stored.
 
 Why this is safe in place, given what the block manager guarantees:
 
