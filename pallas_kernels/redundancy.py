@@ -7,8 +7,8 @@ CTA per (request, head) left a ragged last wave (BENCHMARKS.md). With ``s(m, n)`
 keys m, n of the same page (0 on the diagonal and off the live range), per block:
 
 - pass 0: the key norms, from the keys in shared memory;
-- pass 1: per row tile, every 64x64 tile of ``K K^T``: each row's sum of ``s`` and its latest column with ``s``
-  above the threshold, packed with that ``s`` into one int32 so a single max reduction finds both. ``s`` is
+- pass 1: a loop over the 64-row tiles, each against every 64x128 tile of ``K K^T``: each row's sum of ``s`` and its latest column with ``s`` above the
+  threshold, packed with that ``s`` into one int32 so a single max reduction finds both. ``s`` is
   symmetric, so row n's latest match is column n's latest row.
 
 The latest-match rule takes ``s(m*(n), n)`` off row ``m*(n)``'s sum: a scatter-add of one value per slot, done
@@ -61,47 +61,30 @@ _SIM_OFFSET = 1.0 + 2.0 ** -8  # keeps s + offset > 0 for |s| rounding past 1
 _F32_2_23_BITS = 0x4B000000  # bits of 2.0**23: the integer in the low mantissa bits sits on top of these
 
 
+COLUMN_TILE = 128  # wgmma N of the K K^T tiles: faster than 64 and 256 (BENCHMARKS.md)
+
+
 def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_ref, sums_ref, match_ref, k_smem,
                      col_bits_smem, barrier, inv_smem, sums_smem, match_smem, *, threshold, page_size):
     kv_head, row, block = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("p")
     layer, num_pages = layer_ref[0], num_pages_ref[row]
     slots = k_smem.shape[0]
-    num_tiles, pages_per_block = slots // TILE_ROWS, slots // page_size
+    width = min(COLUMN_TILE, slots)
+    num_tiles, num_cols, pages_per_block = slots // TILE_ROWS, slots // width, slots // page_size
     masked = page_size < TILE_ROWS  # several pages per tile, the last block possibly part live
     wgmma_layout = plgpu.Layout.WGMMA
     row_vector, col_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-    tile = (TILE_ROWS, TILE_ROWS)
+    tile = (TILE_ROWS, width)
     live = num_pages * page_size - block * slots
 
-    def rows_of(ref, t):
-        return ref.at[pl.ds(t * TILE_ROWS, TILE_ROWS)]
-
-    def grams(pairs, body):
-        """``carry = body(pair, acc, carry)`` over the f32 tiles ``acc = K[t] @ K[c]^T`` of ``pairs`` in order,
-        one wgmma at a time: issuing a row tile's four at once measured no faster (BENCHMARKS.md)."""
-        carry = None
-        for pair in pairs:
-            def mma(acc, t=pair[0], c=pair[1]):
-                plgpu.wgmma(acc, rows_of(k_smem, t), rows_of(k_smem, c).T)
-                return acc[...]
-
-            carry = body(pair, pl.run_scoped(mma, plgpu.ACC(tile, jnp.float32)), carry)
-        return carry
+    def rows_of(ref, t, size=TILE_ROWS):
+        return ref.at[pl.ds(t * size, size)]
 
     def iota(dim):  # a fresh iota per use: sharing one across the passes defeats Mosaic's layout inference
         return plgpu.broadcasted_iota(jnp.int32, tile, dim, layout=wgmma_layout)
 
-    def pair_mask(t, c):  # the tile's real pairs: None where a tile cannot hold the diagonal, other pages or dead slots
-        rows, cols = iota(0), iota(1)
-        if masked:
-            return (rows != cols) & (rows // page_size == cols // page_size) & (rows < live) & (cols < live)
-        return rows != cols if t == c else None
-
     def col_chunk(ref, c):
-        return lax.broadcast_in_dim(plgpu.load(rows_of(ref, c), layout=col_vector), tile, [1])
-
-    def row_chunk(ref, t):
-        return plgpu.load(rows_of(ref, t), layout=row_vector)
+        return lax.broadcast_in_dim(plgpu.load(rows_of(ref, c, width), layout=col_vector), tile, [1])
 
     def norms():  # pass 0: inverse key norms, from the keys themselves
         for t in range(num_tiles):
@@ -109,22 +92,43 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
             rows_of(inv_smem, t)[...] = 1.0 / jnp.maximum(jnp.sqrt((k * k).sum(axis=1)), NORM_FLOOR)
 
     def sums_and_matches(t):  # pass 1, per row tile: the rows' sums of ``s`` and packed latest matches
-        inv_rows = row_chunk(inv_smem, t)
+        inv_rows = plgpu.load(rows_of(inv_smem, t), layout=row_vector)
         above_at = lax.broadcast_in_dim(threshold / inv_rows, tile, [0])  # s > threshold, before row scaling
         sim_scale = lax.broadcast_in_dim(inv_rows * _SIM_SCALE, tile, [0])
+        # Column tiles from the one holding the diagonal on, so that one is known statically to be the first.
+        diagonal = t * TILE_ROWS // width
+        columns = [(diagonal + j) % num_cols for j in range(num_cols)]
 
-        def column_tile(pair, gram, carry):
-            c = pair[1]
-            x = gram * col_chunk(inv_smem, c)  # s(m, n) * norm[m]
-            ok = pair_mask(t, c)
+        def pair_mask(j):  # the tile's real pairs: None where a tile cannot hold the diagonal, other pages or dead slots
+            if not masked and j > 0:
+                return None
+            rows, cols = iota(0) + (t * TILE_ROWS - columns[j] * width), iota(1)
+            if masked:
+                return (rows != cols) & (rows // page_size == cols // page_size) & (rows < live) & (cols < live)
+            return rows != cols
+
+        def column_tile(j, gram, carry):
+            x = gram * col_chunk(inv_smem, columns[j])  # s(m, n) * norm[m]
+            ok = pair_mask(j)
             above = x > above_at
             if ok is not None:
                 x, above = jnp.where(ok, x, 0.0), above & ok
             quantised = lax.bitcast_convert_type(x * sim_scale + (_SIM_OFFSET * _SIM_SCALE + 2.0 ** 23), jnp.int32)
-            total, latest = x.sum(axis=1), jnp.where(above, quantised + col_chunk(col_bits_smem, c), -1).max(axis=1)
+            matches = jnp.where(above, quantised + col_chunk(col_bits_smem, columns[j]), -1)
+            total, latest = x.sum(axis=1), matches.max(axis=1)
             return (total, latest) if carry is None else (carry[0] + total, jnp.maximum(carry[1], latest))
 
-        total, latest = grams([(t, c) for c in range(num_tiles)], column_tile)
+        def gram(j):
+            def mma(acc):
+                plgpu.wgmma(acc, rows_of(k_smem, t), rows_of(k_smem, columns[j], width).T)
+                return acc[...]
+
+            return pl.run_scoped(mma, plgpu.ACC(tile, jnp.float32))
+
+        carry = None
+        for j in range(num_cols):  # one wgmma at a time: overlapping the next with this reduction measured no faster
+            carry = column_tile(j, gram(j), carry)
+        total, latest = carry
         rows_of(sums_smem, t)[...] = inv_rows * total
         rows_of(match_smem, t)[...] = latest
 
@@ -138,8 +142,9 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
         plgpu.barrier_wait(barrier)
         norms()
         plgpu.commit_smem()
-        for t in range(num_tiles):
-            sums_and_matches(t)
+        # A loop, not unrolled: unrolled, the row tiles used all 255 registers and spilled; looped nothing spills
+        # and a layer takes 0.24 against 0.28 ms at B=64 (BENCHMARKS.md).
+        pl.loop(0, num_tiles)(sums_and_matches)
         plgpu.commit_smem()
         out = pl.ds(block * slots, slots)
         plgpu.copy_smem_to_gmem(sums_smem, sums_ref.at[row, kv_head, out])

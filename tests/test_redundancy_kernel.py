@@ -64,15 +64,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("page_size,head_dim,num_pages,table_pages,near", CASES)
-def test_lightning_row_sums_match_jnp(page_size, head_dim, num_pages, table_pages, near):
+def check_against_jnp(page_size, head_dim, num_pages, table_pages, near, interpret):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     rng = np.random.default_rng(seed)
     k_pool, tables, pages = random_problem(rng, num_pages, table_pages, page_size, head_dim)
     threshold = safe_threshold(k_pool[1].astype(jnp.float32), page_size, near)
     cfg = ScoringConfig(redundancy="lightning", similarity_threshold=threshold)
     keys = gather_request_kv(k_pool, 1, tables)
-    out = np.asarray(lightning_row_sums(k_pool, 1, tables, pages, threshold, interpret=INTERPRET))
+    out = np.asarray(lightning_row_sums(k_pool, 1, tables, pages, threshold, interpret=interpret))
     ref = np.asarray(redundancy_row_sums(keys, pages * page_size, page_size, cfg))
     assert out.shape == ref.shape == (len(num_pages), 2, table_pages * page_size) and out.dtype == np.float32
     assert np.isfinite(out).all(), f"seed {seed}: non-finite row sums (unwritten slots?)"
@@ -83,6 +82,20 @@ def test_lightning_row_sums_match_jnp(page_size, head_dim, num_pages, table_page
     assert (no_match - ref).max() > 0.3, f"seed {seed}: the threshold never fired"
     dead = np.arange(out.shape[-1])[None, :] >= (np.asarray(num_pages) * page_size)[:, None]
     assert (out.transpose(1, 0, 2)[:, dead] == 0).all()
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_pages,table_pages,near", CASES)
+def test_lightning_row_sums_match_jnp(page_size, head_dim, num_pages, table_pages, near):
+    check_against_jnp(page_size, head_dim, num_pages, table_pages, near, INTERPRET)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (jax.default_backend() == "gpu" and float(jax.devices()[0].compute_capability) >= 9.0),
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("page_size,head_dim,num_pages,table_pages,near",
+                         CASES + [(256, 128, [9, 9, 4], 9, 0.5), (128, 128, [5, 2], 6, 0.5)])
+def test_compiled_lightning_row_sums_match_jnp(page_size, head_dim, num_pages, table_pages, near):
+    check_against_jnp(page_size, head_dim, num_pages, table_pages, near, False)
 
 
 def test_paged_redundancy_uses_the_backend_kernel_only_for_lightning():
