@@ -4,7 +4,7 @@ One CTA handles one (request, KV head) of one layer. Its W window queries times 
 group are the rows of 64-row wgmma tiles (row ``g * W + w``; rows past ``G * W`` are zero padding). Key
 blocks of ``block_kv`` slots are fetched by TMA straight from the pool pages named in the page table (as in
 ``paged_decode``), ``num_stages`` blocks in flight, over two passes of the request's live blocks, streamed as
-one pipeline:
+one pipeline (pass 2 walks the blocks backwards, so it starts on blocks pass 1 has just left in L2):
 
 1. ``Q K^T`` per row tile: online row max / sum (base 2) → each row's log-sum-exp, kept in shared memory.
 2. ``K Q_g^T`` per group head ``g`` (slots are the rows, the W queries the columns): the normalised
@@ -79,8 +79,11 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
     scale = sm_scale * _LOG2E
     first_query = num_live - window  # slot of window query 0
 
-    def issue(step):  # load step ``step`` of the two-pass stream: block ``step mod num_blocks``
-        slot, token0 = lax.rem(step, num_stages), lax.rem(step, num_blocks) * block_kv
+    def block_of(step):  # the block of stream step ``step`` (pass 2 runs backwards)
+        return jnp.where(step < num_blocks, step, 2 * num_blocks - 1 - step)
+
+    def issue(step):  # load step ``step`` of the two-pass stream
+        slot, token0 = lax.rem(step, num_stages), block_of(step) * block_kv
         if block_kv <= page_size:
             page = page_tables_ref[row, token0 // page_size]
             src = k_ref.at[layer, page, kv_head, pl.ds(token0 % page_size, block_kv)]
@@ -137,7 +140,7 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
 
     # Pass 2: per slot, mean over w of the max over g of the normalised probabilities.
     def score_step(step, _):
-        slot, block = lax.rem(step, num_stages), step - num_blocks
+        slot, block = lax.rem(step, num_stages), block_of(step)
         plgpu.barrier_wait(k_bar.at[slot])
         best = None
         for g in range(group):
