@@ -318,7 +318,7 @@ def bench_compression(args):
     from zipage_jax.compression import ScoringConfig, compress, select_slots
     from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
     from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
-    from zipage_jax.models import PagedBatch, forward_paged
+    from zipage_jax.models import PagedBatch, forward_paged, to_serving
 
     model_cfg = compression_shapes()[args.comp_model_shape]
     dtype, page_size, budget, window = jnp.dtype(args.comp_dtype), args.comp_page, args.comp_budget, 16
@@ -466,7 +466,7 @@ def bench_compression(args):
         def measure_decode(row):
             nonlocal params
             if params is None:
-                params = weights.init_random_params(model_cfg, jax.random.key(0), dtype)
+                params = to_serving(weights.init_random_params(model_cfg, jax.random.key(0), dtype))
             last = (budget + 1) * page_size
             decode = PagedBatch(
                 tokens=jnp.arange(batch, dtype=jnp.int32) % model_cfg.vocab_size,

@@ -1,7 +1,7 @@
 """Paged decode attention as a Mosaic GPU (Hopper) kernel.
 
 One CTA handles one (request, KV head, KV split). The query heads of the KV head's group are the rows of a
-64-row wgmma tile (rows past the group are zero padding), so both ``q @ k^T`` and ``p @ v`` run on the tensor
+64-row wgmma tile (only the group's rows are loaded; the others are computed and dropped), so both ``q @ k^T`` and ``p @ v`` run on the tensor
 cores while the kernel stays bound by the KV stream (the probabilities go through shared memory, the wgmma
 operand form that interpret mode can also run). KV blocks of ``block_kv`` slots are fetched by TMA
 straight from the pool pages named in the page table, ``num_stages`` blocks in flight. A block spanning
@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 TILE_ROWS = 64  # wgmma M: one warpgroup's tile of query rows.
+Q_ROW_TILE = 8  # rows of the shared-memory tiling: the query rows a CTA loads are padded to a multiple of it
 _LOG2E = math.log2(math.e)
 
 
@@ -155,7 +156,9 @@ def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref,
     head_dim = q_smem.shape[-1]
     first_block = split * blocks_per_split
     num_blocks = jnp.clip(pl.cdiv(kv_len, tile_params["block_kv"]) - first_block, 0, blocks_per_split)
-    plgpu.copy_gmem_to_smem(q_ref.at[row, kv_head], q_smem, q_bar)
+    # Only the group's rows (padded to a whole 8-row tile) are loaded; the tile's other rows hold whatever
+    # shared memory held, and every row's softmax and output stay its own, so they never reach a real row.
+    plgpu.copy_gmem_to_smem(q_ref.at[row, kv_head], q_smem.at[pl.ds(0, q_ref.shape[2])], q_bar)
     acc, m_i, l_i = attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, row, layer_ref[0], kv_head, kv_len,
                                  first_block, num_blocks, kv_len - 1, causal=False, **tile_params)
 
@@ -208,7 +211,7 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
     blocks_per_split = pl.cdiv(max_blocks, num_splits)
 
     q_tiles = q.reshape(batch, num_kv_heads, group, head_dim)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, TILE_ROWS - group), (0, 0)))
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, -group % Q_ROW_TILE), (0, 0)))
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
         blocks_per_split=blocks_per_split, group=group, page_size=page_size)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from zipage_jax import bench
+from zipage_jax import bench, weights
 from zipage_jax.models import forward_dense
 
 CTX, STEPS, WARMUP = 20, 3, 3
@@ -18,7 +18,7 @@ ARGS = ["decode", "--model-shape", "tiny", "--batch", "1", "3", "--ctx", str(CTX
 
 def test_decode_command_report_and_tokens(tmp_path):
     out = tmp_path / "decode.json"
-    _, engine = bench.main(ARGS + ["--json", str(out)])
+    _, engine = bench.main(ARGS + ["--profile", "--json", str(out)])
     report = json.loads(out.read_text())
     cfg = bench.MODEL_SHAPES["tiny"]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -30,12 +30,17 @@ def test_decode_command_report_and_tokens(tmp_path):
         embed = cfg.vocab_size * cfg.hidden_size * 4
         assert r["weight_bytes"] == report["config"]["num_params"] * 4 - embed + r["batch"] * cfg.hidden_size * 4
         assert r["tokens_per_s"] > 0 and r["host_ms_per_step"] > 0
+        profile = r["profile"]  # the CPU backend's XLA ops stand in for GPU kernels
+        assert profile["launches"] > 0 and profile["busy_us"] > 0
+        assert sum(profile["categories_us"].values()) == pytest.approx(profile["busy_us"])
+        assert sum(k["us"] for k in profile["top_kernels"]) <= profile["busy_us"] * (1 + 1e-9)
     hlo = report["hlo"]
     assert hlo["pool_shape"] == f"f32[2,{report['config']['num_pages']},2,16,16]"
     assert sum(hlo["ops_producing_pool_shape"].values()) > 0 and hlo["pool_copies"] >= 0
     # the last batch's requests hold greedy tokens: 1 from prefill + warm-up + measured steps
     new = 1 + WARMUP + STEPS
-    dense = jax.jit(lambda tokens: forward_dense(engine.params, engine.model_cfg, tokens))
+    params = weights.init_random_params(cfg, jax.random.key(0), jnp.float32)  # the benchmark's seed-0 weights
+    dense = jax.jit(lambda tokens: forward_dense(params, engine.model_cfg, tokens))
     for request in engine.scheduler.running:
         ids = list(request.prompt_token_ids) + [0] * new  # causal: the padding never affects earlier positions
         for i in range(CTX, CTX + new):
@@ -69,3 +74,17 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     assert max(h["num_running"] for h in results[0]["history"]) > 2  # hybrid runs past the 2 slots
     assert max(h["num_running"] for h in results[2]["history"]) <= 2
     assert png.stat().st_size > 0
+
+
+def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path):
+    from zipage_jax.engine import DEFAULT_MODEL
+
+    out = tmp_path / "startup.jsonl"
+    options = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                   compilation_cache_dir=None)
+    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, "--engine-options", json.dumps(options),
+                            "--workload", "4", "--json", str(out)])
+    assert report["programs"] == 2 * 1 + 3  # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens
+    assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
+    assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
+    assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import checkpoint_params
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
 
@@ -49,7 +50,7 @@ def masked_greedy_predictions(llm, prompt, output, budget, sinks):
     engine = llm.engine
     ids = list(prompt) + list(output)
     mask = window_policy_mask(len(ids), len(prompt), budget, sinks)
-    logits = forward_dense(engine.params, engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
+    logits = forward_dense(checkpoint_params(engine), engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
     return jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1).tolist()
 
 
@@ -156,3 +157,17 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
         history = llm.engine.metrics_history()
         assert max(h["num_swapped"] for h in history) >= 1 and max(h["query_slots_used"] for h in history) == 2
         assert all(0 <= h["page_occupancy"] <= 1 for h in history)
+
+
+def test_compressed_mixed_workload_compiles_nothing_after_warmup():
+    from test_engine import mixed_workload
+
+    llm = make_llm(compression=True, kv_budget_blocks=2)
+    llm.warmup(use_tqdm=False)
+    before = llm.metrics()["num_compiles"]
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts, params = mixed_workload(np.random.default_rng(seed), 250, 8, 120)
+    params = [dataclasses.replace(p, max_tokens=60 + p.max_tokens) for p in params]  # several compressions each
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics["num_compressions"] for o in outs) > 0, seed
+    assert llm.metrics()["num_compiles"] == before, seed

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import checkpoint_params
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
 
@@ -29,7 +30,7 @@ def dense_greedy_predictions(llm, prompt, output):
     """Teacher-forced oracle: the dense (cache-free) forward's argmax at every output position; equal to
     ``output`` exactly when ``output`` is the greedy continuation of ``prompt``."""
     engine = llm.engine
-    logits = forward_dense(engine.params, engine.model_cfg, jnp.asarray([list(prompt) + list(output)], jnp.int32))
+    logits = forward_dense(checkpoint_params(engine), engine.model_cfg, jnp.asarray([list(prompt) + list(output)], jnp.int32))
     return jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1).tolist()
 
 
@@ -167,12 +168,33 @@ def test_abort_frees_pages(llm):
     assert engine.metrics()["kv_pages_used"] == 0
 
 
-def test_no_compilation_after_warmup():
-    llm = make_llm(max_num_seqs=8, max_num_batched_tokens=64, max_num_prefill_seqs=4)
-    llm.warmup()
+# docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, and 5 prefill token counts (128 ... 2048)
+DEFAULT_CONFIG_PROGRAMS = 17
+
+
+def mixed_workload(rng, vocab, count, max_len):
+    """Prompts of many lengths (two sharing a prefix) and every sampling feature but the penalties."""
+    prompts = [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(1, max_len, size=count)]
+    prompts[1] = prompts[0] + prompts[1]
+    params = []
+    for i, max_tokens in enumerate(rng.integers(2, 24, size=count)):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 5][i % 2], min_p=[0.0, 0.05][i % 4 == 1],
+                                         seed=i, n=1 + i % 2, min_tokens=2, stop_token_ids=[7], logprobs=True,
+                                         max_tokens=int(max_tokens)))
+    return prompts, params
+
+
+def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_nothing():
+    llm = LLM(compilation_cache_dir=None)  # the shipped model, every engine option at its default
     before = llm.metrics()["num_compiles"]
-    rng = np.random.default_rng()
-    mixed = [dataclasses.replace(GREEDY, max_tokens=int(n)) for n in rng.integers(1, 20, size=12)]
-    mixed[3] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=3)
-    llm.generate(random_prompts(rng, 12, hi=70), mixed, use_tqdm=False)
-    assert llm.metrics()["num_compiles"] == before
+    report = llm.warmup(use_tqdm=False)
+    assert report["programs"] == DEFAULT_CONFIG_PROGRAMS
+    assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts, params = mixed_workload(np.random.default_rng(seed), llm.engine.model_cfg.vocab_size, 12, 400)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs), seed
+    assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS, seed

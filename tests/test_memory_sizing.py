@@ -87,15 +87,11 @@ def test_scratch_estimates_bound_what_xla_allocates():
         compiled = runner._compress.lower(*caches, jnp.asarray(packed), spec=plan_spec).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= kv_cache.compression_scratch_bytes(
             engine.model_cfg, engine.config, engine.dtype, rows * width)
-    recorded = []
-    jitted = runner._jitted
-    runner._jitted = lambda *args, **kwargs: recorded.append((args, kwargs)) or jitted(*args, **kwargs)
-    runner.prefill([], 128, runner.prefill_row_sizes[-1])
-    runner.decode([], runner.decode_sizes[-1])
-    runner._jitted = jitted
     bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, engine.dtype, 256, "reference")
-    for args, kwargs in recorded:
-        compiled = jitted.lower(*[jax.tree.map(spec, a) for a in args], **kwargs).compile()
+    steps = [p for p in runner.warmup_programs() if p.key[0] == "step"]
+    assert {p.name.split()[0] for p in steps} == {"decode", "prefill"}
+    for program in steps:
+        compiled = program.jitted.lower(*jax.tree.map(spec, program.args), **program.static).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= bound
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zipage_jax.attention import ReferenceBackend
-from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged
+from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
 from zipage_jax.weights import load_hf_weights
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -89,6 +89,7 @@ def test_forward_paged_chunked_prefill_then_decode_equals_dense(name):
     k_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)  # stale garbage must never be read
     v_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     step = jax.jit(forward_paged, static_argnums=(1, 5))
+    serving = to_serving(params)
     backend = ReferenceBackend()
     done = [0, 0]
 
@@ -116,7 +117,7 @@ def test_forward_paged_chunked_prefill_then_decode_equals_dense(name):
             slot_mapping=jnp.asarray(slots, jnp.int32), kv_lens=jnp.asarray(kv_lens),
             page_tables=jnp.asarray(tables), logits_indices=jnp.asarray(logits_idx, jnp.int32), cu_q_lens=cu,
         )
-        logits, k_pool, v_pool = step(params, cfg, k_pool, v_pool, batch, backend)
+        logits, k_pool, v_pool = step(serving, cfg, k_pool, v_pool, batch, backend)
         want = np.stack([ref[r, i] for r, i in owners])
         assert rel_err(logits, want) <= 1e-4, (chunks, decode)
         for r, n in enumerate(chunks):
@@ -142,14 +143,15 @@ def test_forward_paged_returns_post_rope_queries_on_request():
         )
 
     backend = ReferenceBackend()
-    logits, _, _ = forward_paged(params, cfg, pool, pool, batch(np.arange(t)), backend)
-    logits_q, _, _, queries = forward_paged(params, cfg, pool, pool, batch(np.arange(t)), backend, return_queries=True)
+    serving = to_serving(params)
+    logits, _, _ = forward_paged(serving, cfg, pool, pool, batch(np.arange(t)), backend)
+    logits_q, _, _, queries = forward_paged(serving, cfg, pool, pool, batch(np.arange(t)), backend, return_queries=True)
     assert queries.shape == (cfg.num_layers, t, cfg.num_heads, cfg.head_dim)
     np.testing.assert_allclose(logits, logits_q, rtol=1e-5, atol=1e-5)
     assert rel_err(logits, expected["logits"][0, t - 1 : t]) <= 1e-4
     # Layer-0 queries depend only on the token and its position; RoPE is a rotation: same norms as at
     # position 0, different vectors (except at position 0 itself).
-    _, _, _, unrotated = forward_paged(params, cfg, pool, pool, batch(np.zeros(t)), backend, return_queries=True)
+    _, _, _, unrotated = forward_paged(serving, cfg, pool, pool, batch(np.zeros(t)), backend, return_queries=True)
     q, q0 = np.asarray(queries[0]), np.asarray(unrotated[0])
     np.testing.assert_allclose(np.linalg.norm(q, axis=-1), np.linalg.norm(q0, axis=-1), rtol=1e-5)
     np.testing.assert_allclose(q[0], q0[0], rtol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
+from zipage_jax.sampling import BAN_WIDTH, SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
     apply_penalties, sample
 
 sample_jit = jax.jit(sample)
@@ -112,12 +112,14 @@ def test_from_rows_shapes_and_padding():
     rng = np.random.default_rng()
     plain = rows_for([SamplingParams(temperature=0.7, top_p=0.9)] * 3, rng, 50)
     t = SamplingTensors.from_rows(plain, 50, eos_token_ids=2, batch_size=8)
-    assert t.history.shape == (8, 1) and t.banned_token_ids.shape == (8, 1)
+    assert t.history.shape == (8, 1) and t.banned_token_ids.shape == (8, BAN_WIDTH)  # one shape: no recompiles
     assert np.all(t.temperature[3:] == 0) and np.all(t.top_p[3:] == 1) and np.all(t.history == -1)
     penal = rows_for([SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.5)],
                      rng, 50, prompt_len=6, out_len=3)
     t = SamplingTensors.from_rows(penal, 50, eos_token_ids=[2])
     assert t.history.shape == (2, 16)  # 6 + 3 = 9 -> 16
+    many = [SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=list(range(10, 10 + BAN_WIDTH))), [1], [], 0, 0)]
+    assert SamplingTensors.from_rows(many, 50, eos_token_ids=[2]).banned_token_ids.shape == (1, 2 * BAN_WIDTH)
     assert t.history_is_output[0].sum() == 3 and t.history_is_output[1].sum() == 3
     assert (t.history[1] >= 0).sum() == 3  # presence/frequency only need outputs
     with pytest.raises(ValueError, match="history_width"):

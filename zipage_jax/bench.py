@@ -36,6 +36,7 @@ from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.runner import ModelRunner
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.engine import make_scheduler
+from zipage_jax.profiling import kernel_breakdown
 
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
@@ -167,50 +168,54 @@ def pool_copies(hlo_text: str, pool_shape: tuple, dtype) -> dict:
 
 
 class _Recorder:
-    """Remembers the last decode dispatch of the runner: its inputs (to replay) and argument shapes (to lower)."""
+    """Remembers the last decode dispatch of the runner (to replay it) and times the compiled calls."""
 
     def __init__(self, runner: ModelRunner):
-        self.runner, self.dispatch, self.jitted = runner, runner._dispatch, runner._jitted
-        self.inputs = self.shapes = None
+        self.runner, self.dispatch, self.run = runner, runner._dispatch, runner.programs.run
+        self.inputs = self.program = None
         self.jit_call_s = 0.0
-        runner._dispatch, runner._jitted = self._record_dispatch, self._record_jitted
+        runner._dispatch, runner.programs.run = self._record_dispatch, self._record_run
 
-    def _record_dispatch(self, inputs, requests, kind, num_tokens):
+    def _record_dispatch(self, inputs, requests, kind, num_tokens, rows):
         if kind == "decode":
-            self.inputs = (inputs, requests, kind, num_tokens)
-        return self.dispatch(inputs, requests, kind, num_tokens)
+            self.inputs = (inputs, requests, kind, num_tokens, rows)
+        return self.dispatch(inputs, requests, kind, num_tokens, rows)
 
-    def _record_jitted(self, *args, **kwargs):
-        if self.shapes is None and self.inputs is not None:
-            shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-            self.shapes = (jax.tree.map(shape, args), kwargs)
+    def _record_run(self, program, *args):
+        if program.key[0] == "step" and self.inputs is not None:
+            self.program = program
         start = time.perf_counter()
-        out = self.jitted(*args, **kwargs)
+        out = self.run(program, *args)
         self.jit_call_s += time.perf_counter() - start  # dispatch; any wait on the device here is not Python work
         return out
 
+    def restore(self):
+        self.runner._dispatch, self.runner.programs.run = self.dispatch, self.run
+
+    def step(self):
+        return self.dispatch(*self.inputs).tokens
+
     def replay(self, n: int) -> float:
         """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""
-        handle = self.dispatch(*self.inputs)
-        jax.block_until_ready(handle.tokens)
+        jax.block_until_ready(self.step())
         start = time.perf_counter()
         for _ in range(n):
-            handle = self.dispatch(*self.inputs)
-        jax.block_until_ready(handle.tokens)
+            tokens = self.step()
+        jax.block_until_ready(tokens)
         return (time.perf_counter() - start) / n
 
     def compiled_text(self) -> str:
-        args, kwargs = self.shapes
-        return self.jitted.lower(*args, **kwargs).compile().as_text()
+        return self.runner.programs.compiled(self.program.key).as_text()
 
 
 def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, attention_backend: str = "reference",
                      block_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
                      prefill_seqs: int = 8, warmup_steps: int = 3, seed: int = 0, inspect_hlo: bool = True,
-                     progress=print, on_result=None):
+                     profile: bool = False, progress=print, on_result=None):
     """Run the decode benchmark; returns (report dict, the BenchEngine with its requests).
 
     ``on_result(partial_report)`` is called after each batch size, so a run cut short keeps what it measured.
+    ``profile`` adds each batch size's kernel breakdown of the device step (``profiling.kernel_breakdown``).
     """
     for name, value in (("ctx", ctx), ("steps", steps), ("warmup_steps", warmup_steps)):
         if not isinstance(value, int) or value < 1:
@@ -233,6 +238,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
     jax.block_until_ready(params)
     engine = BenchEngine(config, model_cfg, params, num_pages)
+    del params  # the engine holds the serving layout
     progress(f"random params + KV pool ({num_pages} pages of {block_size}): {time.perf_counter() - t:.1f}s")
 
     rng = np.random.default_rng(seed)
@@ -294,7 +300,8 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         jit_call_s = recorder.jit_call_s / steps
         device_step_s = recorder.replay(steps)
         first_recorder = first_recorder or recorder
-        engine.runner._dispatch, engine.runner._jitted = recorder.dispatch, recorder.jitted
+        breakdown = kernel_breakdown(recorder.step) if profile else None
+        recorder.restore()
         weight_bytes = weight_bytes_per_step(engine.params, model_cfg, batch)
         kv_bytes = float(np.mean(kv_tokens)) * per_token_kv
         step_bytes = weight_bytes + kv_bytes
@@ -309,7 +316,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             kv_bytes_gathered_by_reference=batch * pages_per_seq * block_size * per_token_kv,
             roofline_fraction=step_bytes / engine_step_s / HBM_PEAK_BYTES_PER_S,
             device_roofline_fraction=step_bytes / device_step_s / HBM_PEAK_BYTES_PER_S,
-            first_step_s_incl_compile=compile_s)
+            first_step_s_incl_compile=compile_s, profile=breakdown)
         results.append(row)
         progress(format_row(row))
         if on_result:
@@ -456,12 +463,49 @@ HEADER = (f"{'batch':>5} {'kv_len':>7} {'tok/s':>9} {'engine ms':>9} {'device ms
           f"{'in jit':>7} {'python':>7} {'gap ms':>7} {'roofline':>8} {'dev roof':>8} {'1st step s':>10}")
 
 
+def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed: int = 0) -> dict:
+    """Start-up of the public API, as a user meets it: ``LLM(model, **engine_options)``, then ``warmup()``, then
+    a mixed workload (prompt lengths, greedy and sampled rows, seeds, ``n``, ``min_tokens``, logprobs) that must
+    compile nothing. Run it twice with the same ``compilation_cache_dir`` for the cold and the warm figure."""
+    from zipage_jax import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, **engine_options)
+    init_s = time.perf_counter() - start
+    warmup = llm.warmup(use_tqdm=False)
+    ready_s = time.perf_counter() - start
+    compiles = llm.metrics()["num_compiles"]
+    rng = np.random.default_rng(seed)
+    vocab = llm.engine.model_cfg.vocab_size
+    longest = min(3000, llm.engine.max_model_len - 400)
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(5, longest, size=workload)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=40 if i % 2 else 0, min_p=0.05 if i % 4 == 1 else 0.0,
+                             max_tokens=int(m), seed=i, min_tokens=2, n=1 + i % 2, logprobs=True, ignore_eos=True)
+              for i, m in enumerate(rng.integers(2, 300, size=workload))]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
+                jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                init_s=init_s, programs=warmup["programs"], compile_s=warmup["compile_s"], ready_s=ready_s,
+                compiles_after_warmup=llm.metrics()["num_compiles"] - compiles, workload_requests=workload,
+                workload_s=time.perf_counter() - t,
+                workload_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
 def format_row(r: dict) -> str:
     return (f"{r['batch']:>5} {r['mean_kv_len']:>7.0f} {r['tokens_per_s']:>9.1f} {r['engine_step_ms']:>9.2f} "
             f"{r['device_step_ms']:>9.2f} {r['host_ms_per_step']:>8.2f} {r['jit_call_ms_per_step']:>7.2f} "
             f"{r['python_ms_per_step']:>7.2f} {r['idle_gap_ms']:>7.2f} "
             f"{r['roofline_fraction']:>8.1%} {r['device_roofline_fraction']:>8.1%} "
             f"{r['first_step_s_incl_compile']:>10.1f}")
+
+
+def format_profile(row: dict) -> str:
+    p = row["profile"]
+    parts = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in p["categories_us"].items() if v >= 1)
+    return (f"batch {row['batch']}: device busy {p['busy_us'] / 1e3:.2f} ms over a {p['span_us'] / 1e3:.2f} ms span, "
+            f"{p['launches']:.0f} kernels; ms by category: {parts}")
 
 
 def main(argv=None):
@@ -480,6 +524,8 @@ def main(argv=None):
     decode.add_argument("--prefill-seqs", type=int, default=8, help="requests per prefill step")
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument("--no-hlo", action="store_true", help="skip the compiled-HLO inspection")
+    decode.add_argument("--profile", action="store_true",
+                        help="trace the device step and record where its time goes (per kernel and category)")
     decode.add_argument("--json", help="write the report here")
     sched = sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs sync "
                                               "compression, hybrid vs constrained admission")
@@ -505,9 +551,23 @@ def main(argv=None):
                        help="persistent XLA cache shared by the variants ('' = off)")
     sched.add_argument("--json", help="write the report here")
     sched.add_argument("--png", help="write the metrics plot here")
+    startup = sub.add_parser("startup", help="LLM(...) + warmup() time, programs, and compiles after warm-up")
+    startup.add_argument("--model", required=True, help="HF checkpoint directory")
+    startup.add_argument("--engine-options", default="{}", help="engine keyword arguments as JSON")
+    startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
+    startup.add_argument("--json", help="append the report here (one JSON object a line)")
     args = parser.parse_args(argv)
     if args.benchmark == "scheduling":
         return _scheduling_main(args)
+    if args.benchmark == "startup":
+        report = startup_benchmark(args.model, json.loads(args.engine_options), args.workload)
+        print(f"LLM() {report['init_s']:.1f}s + warmup() {report['compile_s']:.1f}s = ready in "
+              f"{report['ready_s']:.1f}s; {report['programs']} programs; {report['compiles_after_warmup']} compiles "
+              f"during a mixed workload of {report['workload_requests']} requests")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(report) + "\n")
+        return report, None
     print(f"decode benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, batches {args.batch}")
 
     def write(report):
@@ -517,11 +577,14 @@ def main(argv=None):
 
     report, engine = decode_benchmark(
         args.model_shape, args.batch, args.ctx, args.steps, args.attention_backend, args.block_size, args.dtype,
-        args.prefill_tokens, args.prefill_seqs, args.warmup_steps, args.seed, not args.no_hlo,
+        args.prefill_tokens, args.prefill_seqs, args.warmup_steps, args.seed, not args.no_hlo, args.profile,
         progress=lambda line: print(line, flush=True), on_result=write)
     print(HEADER)
     for row in report["results"]:
         print(format_row(row))
+    for row in report["results"]:
+        if row["profile"]:
+            print(format_profile(row))
     if report["hlo"]:
         print("pool-shaped ops in the compiled decode step:", report["hlo"]["ops_producing_pool_shape"],
               "| copies of the pool:", report["hlo"]["pool_copies"])

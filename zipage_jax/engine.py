@@ -45,8 +45,10 @@ def resolve_dtype(name: str, model_cfg: ModelConfig):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.compilation_cache_dir:
+        if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         from transformers import AutoTokenizer
 
         self.model_cfg = ModelConfig.from_pretrained(config.model)
@@ -72,7 +74,8 @@ class LLMEngine:
             backend = ShardedBackend(backend, self.mesh)
         self.runner = ModelRunner(config, self.model_cfg, self.params, self.num_pages, self.max_model_len,
                                   self.dtype, backend, self.mesh, self.eos_token_ids,
-                                  self.sizing["num_query_slots"], self.sizing["max_compression_pages"])
+                                  self.sizing["num_query_slots"], self.sizing["max_compression_pages"],
+                                  progress=log_compile)
         self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
         self.scheduler = make_scheduler(config, self.block_manager, self.sizing)
         self.compile_counter = CompileCounter()
@@ -308,9 +311,23 @@ class LLMEngine:
         """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
         return list(self.history.samples)
 
-    def warmup(self):
-        """Compile every shape bucket now, so no request waits on a compile later."""
-        self.runner.warmup()
+    def warmup(self, progress=None) -> dict:
+        """Compile every shape bucket now (in parallel), so no request waits on a compile later.
+
+        ``progress(done, total, name, seconds)`` is called as each program finishes compiling (default: log it).
+        Returns the number of programs and the wall seconds compiling them took."""
+        programs = self.runner.programs
+        programs.progress, default = progress or programs.progress, programs.progress
+        try:
+            report = self.runner.warmup()
+        finally:
+            programs.progress = default
+        log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
+        return report
+
+
+def log_compile(done: int, total: int, name: str, seconds: float):
+    log.info("compiling %d/%d: %s (%.1fs)", done, total, name, seconds)
 
 
 def make_scheduler(config: EngineConfig, block_manager: BlockManager, sizing: dict) -> Scheduler:
@@ -367,8 +384,14 @@ class LLM:
     def metrics(self) -> dict:
         return self.engine.metrics()
 
-    def warmup(self):
-        self.engine.warmup()
+    def warmup(self, use_tqdm: bool = True) -> dict:
+        """Compile every program the engine can need (see ``LLMEngine.warmup``), with a progress bar."""
+        with tqdm(desc="compiling", unit="program", disable=not use_tqdm) as bar:
+            def progress(done, total, name, seconds):
+                bar.total = total
+                bar.set_postfix_str(name)
+                bar.update(1)
+            return self.engine.warmup(progress)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order (``n`` completions each)."""

@@ -1,7 +1,8 @@
 """Pack a pytree of small host arrays into ONE int32 buffer, so each step makes a single host→device copy.
 
 The spec (tree structure + shapes + dtypes) is hashable and becomes a static argument of the jitted step:
-it is the shape bucket.
+it is the shape bucket. Every leaf starts at a multiple of ``ALIGN`` elements (256 bytes): XLA hands a leaf that a
+kernel reads straight to it as a view into the buffer, and Mosaic GPU kernels require 256-byte aligned inputs.
 """
 
 import math
@@ -11,9 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+ALIGN = 64  # int32 elements: 256 bytes
+
+
+def _padded(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
 def pack(tree):
     leaves, treedef = jax.tree.flatten(tree)
-    parts, specs = [], []
+    flats, specs = [], []
     for leaf in leaves:
         a = np.ascontiguousarray(leaf)
         if a.dtype == np.bool_:
@@ -22,21 +30,29 @@ def pack(tree):
             flat = a.view(np.int32)
         else:
             raise ValueError(f"pack: unsupported dtype {a.dtype} (need 4-byte or bool leaves)")
-        parts.append(flat.ravel())
+        flats.append(flat.ravel())
         specs.append((a.shape, a.dtype.str))
-    buffer = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    buffer = np.zeros(sum(_padded(f.size) for f in flats), np.int32)
+    offset = 0
+    for flat in flats:
+        buffer[offset:offset + flat.size] = flat
+        offset += _padded(flat.size)
     return buffer, (treedef, tuple(specs))
+
+
+def leaf_offsets(spec) -> list[int]:
+    """Where each leaf starts in the packed buffer (elements)."""
+    sizes = [_padded(math.prod(shape)) for shape, _ in spec[1]]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def unpack(buffer, spec):
     """Inverse of ``pack`` inside jit: static slices plus bitcasts, no data-dependent work."""
     treedef, specs = spec
-    leaves, offset = [], 0
-    for shape, dtype_str in specs:
+    leaves = []
+    for (shape, dtype_str), offset in zip(specs, leaf_offsets(spec)):
         dtype = np.dtype(dtype_str)
-        size = math.prod(shape)
-        x = buffer[offset:offset + size].reshape(shape)
-        offset += size
+        x = buffer[offset:offset + math.prod(shape)].reshape(shape)
         if dtype == np.bool_:
             x = x != 0
         elif dtype != np.int32:

@@ -4,6 +4,10 @@ Each step gets its integers as one packed buffer (one host→device copy), feeds
 on the device straight from a persistent token buffer (no host round-trip), samples on the device and starts
 an asynchronous copy of the sampled tokens back to the host. The host reads them one step later.
 
+Every program (decode and prefill per shape bucket, compression, swaps) is compiled through ``Programs``: warm-up
+compiles them all in parallel, and their number stays small (a handful of decode batch sizes and prefill token
+counts, one prefill row count, powers of four of compression rows), see docs/ARCHITECTURE.md.
+
 ``execute`` runs one scheduler output in the order that makes it correct on one device stream: swap-outs copy
 released pages to the host before anything reuses them, swap-ins restore pages, then compression (synchronous:
 first, and the host waits; asynchronous: after the step's decode and prefill, never waited on), decode, prefill.
@@ -11,6 +15,7 @@ first, and the host waits; asynchronous: after the step's decode and prefill, ne
 
 import dataclasses
 import functools
+import itertools
 import time
 
 import jax
@@ -18,12 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax import kv_cache, packing, sharding
+from zipage_jax.programs import Program, Programs
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress
 from zipage_jax.models import PagedBatch, forward_paged
 from zipage_jax.request import PENDING
 from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
 
 GREEDY = SamplingParams(temperature=0.0)
+# Compiler options of every engine program. XLA's rematerialization pass compares a program's footprint with a
+# memory limit that the preallocated KV pool always exceeds, and then recomputes work to save memory (in the
+# decode step: the fused QKV matmul, three times a layer). The pool sizing already reserves every program's
+# scratch, so the pass can only cost time.
+COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# From this many rows on, cuBLAS beats XLA's Triton GEMMs on the H200 (decode step, Qwen3-8B shapes: 7.50 vs
+# 7.95 ms at 64 rows, 17.9 vs 18.2 at 256; Triton wins at 1 row, 5.2 vs 6.4 ms; BENCHMARKS.md).
+CUBLAS_MIN_ROWS = 64
+
+
+def compiler_options(rows: int) -> dict:
+    """XLA options of a program whose matmuls have ``rows`` rows."""
+    if jax.default_backend() == "gpu" and rows >= CUBLAS_MIN_ROWS:
+        return {**COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
+    return COMPILER_OPTIONS
 
 
 def scoring_config(config) -> ScoringConfig:
@@ -32,12 +53,12 @@ def scoring_config(config) -> ScoringConfig:
     return ScoringConfig(policy=config.eviction_policy, **{name: getattr(config, name) for name in names})
 
 
-def bucket_sizes(smallest: int, largest: int) -> list[int]:
-    """Powers of two from ``smallest`` up to and including ``largest``."""
+def bucket_sizes(smallest: int, largest: int, factor: int = 2) -> list[int]:
+    """``smallest`` times powers of ``factor`` below ``largest``, then ``largest``."""
     sizes, n = [], smallest
     while n < largest:
         sizes.append(n)
-        n *= 2
+        n *= factor
     return sizes + [largest]
 
 
@@ -102,7 +123,8 @@ def _swap_scatter(k_pool, v_pool, score_cache, query_cache, pages, query_slot, k
 
 class ModelRunner:
     def __init__(self, config, model_cfg, params, num_pages: int, max_model_len: int, dtype, backend, mesh,
-                 eos_token_ids=(), num_query_slots: int | None = None, max_compression_pages: int | None = None):
+                 eos_token_ids=(), num_query_slots: int | None = None, max_compression_pages: int | None = None,
+                 progress=None):
         self.config = config
         self.model_cfg = model_cfg
         self.params = params
@@ -123,6 +145,7 @@ class ModelRunner:
         self.query_cache, self.score_cache = kv_cache.allocate_compression_state(
             model_cfg, config, num_pages, self.num_query_slots, dtype, mesh)
         self.scoring = scoring_config(config)
+        self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
                                  static_argnames=("spec",), donate_argnums=(0, 1, 2))
@@ -132,19 +155,27 @@ class ModelRunner:
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)
         self.compression_seconds = 0.0  # device time of the compressions dispatched (measured or estimated)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
-        self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), sharding.replicated(mesh))
-        self.decode_sizes = bucket_sizes(1, config.max_num_seqs)
-        self.prefill_token_sizes = bucket_sizes(min(16, config.max_num_batched_tokens), config.max_num_batched_tokens)
-        self.prefill_row_sizes = bucket_sizes(1, config.max_num_prefill_seqs)
-        self._jitted = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend,
-                                                 store_queries=config.compression),
-                               static_argnames=("spec",), donate_argnums=(1, 2, 3, 4))
+        self.replicated = sharding.replicated(mesh)  # where each step's packed integers go
+        self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), self.replicated)
+        self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
+        self.prefill_token_sizes = bucket_sizes(min(max(16, config.max_num_batched_tokens // 16),
+                                                    config.max_num_batched_tokens), config.max_num_batched_tokens)
+        self.prefill_rows = config.max_num_prefill_seqs  # one row count: its arrays are small next to the tokens
+        self._step = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend,
+                                               store_queries=config.compression),
+                             static_argnames=("spec",), donate_argnums=(1, 2, 3, 4))
 
     # -- host-side packing -------------------------------------------------------------------------------
     def _page_table(self, rows: int, requests) -> np.ndarray:
+        """``[rows, pages_per_seq]`` page ids of ``requests`` (zeros past each one's pages), filled in one scatter."""
         table = np.zeros((rows, self.pages_per_seq), np.int32)
-        for i, r in enumerate(requests):
-            table[i, :len(r.block_ids)] = r.block_ids
+        lengths = np.fromiter((len(r.block_ids) for r in requests), np.int64, len(requests))
+        total = int(lengths.sum())
+        if total:
+            ids = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in requests), np.int32, total)
+            row = np.repeat(np.arange(len(requests)), lengths)
+            col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            table[row, col] = ids
         return table
 
     def _slot(self, request, index: int) -> int:
@@ -152,7 +183,7 @@ class ModelRunner:
 
     def _sampling(self, rows: int, requests, force_sampled: bool = False) -> SamplingTensors:
         """Per-row sampling tensors; ``force_sampled`` picks the sampling code path even for all-greedy rows
-        (prefill always does: one executable per bucket, and its cost is small next to the prefill)."""
+        (prefill always does: one program per bucket, and its cost is small next to the prefill)."""
         sampling_rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.seed, len(r.output_token_ids))
             if r is not None else SamplingRow(GREEDY, (), (), 0, 0)
@@ -162,46 +193,60 @@ class ModelRunner:
                                             batch_size=rows)
         return tensors.replace(sampled=True) if force_sampled else tensors
 
-    def _dispatch(self, inputs, requests, kind: str, num_tokens: int) -> StepHandle:
+    def _step_program(self, inputs, kind: str, rows: int) -> tuple[Program, np.ndarray]:
         packed, spec = packing.pack(inputs)
-        self.k_pool, self.v_pool, self.query_cache, self.token_buffer, tokens, logprobs = self._jitted(
-            self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer, jnp.asarray(packed), spec=spec)
+        sampling = inputs["sampling"]
+        mode = "penalized" if sampling.penalized else "sampled" if sampling.sampled else "greedy"
+        program = Program(key=("step", spec), name=f"{kind} {rows} rows, {mode}", jitted=self._step,
+                          args=(self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer,
+                                jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
+                          static=dict(spec=spec), options=compiler_options(rows))
+        return program, packed
+
+    def _dispatch(self, inputs, requests, kind: str, num_tokens: int, rows: int) -> StepHandle:
+        program, packed = self._step_program(inputs, kind, rows)
+        self.k_pool, self.v_pool, self.query_cache, self.token_buffer, tokens, logprobs = self.programs.run(
+            program, self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer,
+            jax.device_put(packed, self.replicated))
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepHandle(requests, tokens, logprobs, kind, num_tokens)
 
     # -- steps ---------------------------------------------------------------------------------------------
+    def _decode_inputs(self, requests, rows: int, force_sampled: bool = False) -> dict:
+        n = len(requests)
+        index = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n) - 1  # logical position
+        physical = np.fromiter((r.num_physical_tokens for r in requests), np.int32, n) - 1  # its slot's index
+        known = np.fromiter((r.token_at(i) for r, i in zip(requests, index.tolist())), np.int32, n)
+        token_slot = np.fromiter((r.token_slot for r in requests), np.int32, n)
+        query = np.fromiter((self.query_sink if r.query_slot is None else r.query_slot for r in requests),
+                            np.int32, n)
+        table = self._page_table(rows, requests)
+        pending = known == PENDING
+
+        def padded(values, fill=0, dtype=np.int32):
+            out = np.full(rows, fill, dtype)
+            out[:n] = values
+            return out
+
+        page_of_slot = table[np.arange(n), physical // self.page_size]
+        batch = PagedBatch(tokens=padded(np.where(pending, 0, known)), positions=padded(index),
+                           slot_mapping=padded(page_of_slot * self.page_size + physical % self.page_size),
+                           kv_lens=padded(physical + 1), page_tables=table,
+                           logits_indices=np.arange(rows, dtype=np.int32))
+        return dict(batch=batch, sampling=self._sampling(rows, requests, force_sampled),
+                    from_buffer=padded(pending, False, bool),
+                    buffer_slot=padded(np.where(pending, token_slot, self.sink_slot), self.sink_slot),
+                    sample_slot=padded(token_slot, self.sink_slot), query_slot=padded(query, self.query_sink))
+
     def decode(self, requests, rows: int | None = None, force_sampled: bool = False) -> StepHandle:
         """One token per request: the one at index ``num_computed_tokens - 1`` (already counted by the scheduler)."""
         rows = rows or pick_bucket(self.decode_sizes, len(requests))
-        tokens, positions, slots, kv_lens = (np.zeros(rows, np.int32) for _ in range(4))
-        from_buffer = np.zeros(rows, bool)
-        buffer_slot = np.full(rows, self.sink_slot, np.int32)
-        sample_slot = np.full(rows, self.sink_slot, np.int32)
-        query_slot = np.full(rows, self.query_sink, np.int32)
-        for i, r in enumerate(requests):
-            index = r.num_computed_tokens - 1  # logical position; its slot is at the physical index
-            token = r.token_at(index)
-            if token == PENDING:
-                from_buffer[i], buffer_slot[i] = True, r.token_slot
-            else:
-                tokens[i] = token
-            physical = r.num_physical_tokens - 1
-            positions[i], slots[i], kv_lens[i] = index, self._slot(r, physical), physical + 1
-            sample_slot[i] = r.token_slot
-            if r.query_slot is not None:
-                query_slot[i] = r.query_slot
-        batch = PagedBatch(tokens=tokens, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
-                           page_tables=self._page_table(rows, requests), logits_indices=np.arange(rows, dtype=np.int32))
-        inputs = dict(batch=batch, sampling=self._sampling(rows, requests, force_sampled), from_buffer=from_buffer,
-                      buffer_slot=buffer_slot, sample_slot=sample_slot, query_slot=query_slot)
-        return self._dispatch(inputs, list(requests), "decode", len(requests))
+        inputs = self._decode_inputs(requests, rows, force_sampled)
+        return self._dispatch(inputs, list(requests), "decode", len(requests), rows)
 
-    def prefill(self, chunks, num_tokens: int | None = None, rows: int | None = None) -> StepHandle:
-        """Packed prompt chunks; rows whose chunk reaches the last known token sample the next one."""
+    def _prefill_inputs(self, chunks, num_tokens: int, rows: int) -> tuple[dict, list]:
         total = sum(c.num_tokens for c in chunks)
-        num_tokens = num_tokens or pick_bucket(self.prefill_token_sizes, total)
-        rows = rows or pick_bucket(self.prefill_row_sizes, len(chunks))
         tokens, positions, slots = (np.zeros(num_tokens, np.int32) for _ in range(3))
         cu_q_lens = np.full(rows + 1, total, np.int32)
         kv_lens, last_token = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
@@ -213,8 +258,10 @@ class ModelRunner:
             ids = r.token_slice(c.start, c.start + n)
             assert PENDING not in ids, "prefill over a token still on the device"
             tokens[offset:offset + n] = ids
-            positions[offset:offset + n] = np.arange(c.start, c.start + n)
-            slots[offset:offset + n] = [self._slot(r, j) for j in range(c.start, c.start + n)]
+            index = np.arange(c.start, c.start + n)
+            positions[offset:offset + n] = index
+            pages = np.asarray(r.block_ids, np.int32)[index // self.page_size]
+            slots[offset:offset + n] = pages * self.page_size + index % self.page_size
             cu_q_lens[i] = offset
             if r.query_slot is not None:  # one writer per ring slot: the chunk's last W tokens
                 query_slot[max(offset, offset + n - self.window):offset + n] = r.query_slot
@@ -229,17 +276,25 @@ class ModelRunner:
         inputs = dict(batch=batch, sampling=self._sampling(rows, sampled, force_sampled=True),
                       from_buffer=np.zeros(num_tokens, bool), buffer_slot=np.full(num_tokens, self.sink_slot, np.int32),
                       sample_slot=sample_slot, query_slot=query_slot)
-        return self._dispatch(inputs, sampled, "prefill", total)
+        return inputs, sampled
+
+    def prefill(self, chunks, num_tokens: int | None = None, rows: int | None = None) -> StepHandle:
+        """Packed prompt chunks; rows whose chunk reaches the last known token sample the next one."""
+        total = sum(c.num_tokens for c in chunks)
+        num_tokens = num_tokens or pick_bucket(self.prefill_token_sizes, total)
+        rows = rows or self.prefill_rows
+        inputs, sampled = self._prefill_inputs(chunks, num_tokens, rows)
+        return self._dispatch(inputs, sampled, "prefill", total, num_tokens)
 
     def compression_widths(self, budget: int) -> list[int]:
         """Source-table widths (pages) of compressions at budget M: the steady state M+1, then doublings."""
         return bucket_sizes(budget + 1, self.pages_per_seq)
 
     def compression_rows(self, width: int) -> int:
-        """Most rows of one compression dispatch of this width within ``max_compression_pages`` (a power of two)."""
+        """Most rows of one compression dispatch of this width within ``max_compression_pages`` (a power of four)."""
         rows = 1
-        while rows * 2 * width <= self.max_compression_pages and rows * 2 <= self.config.max_num_seqs:
-            rows *= 2
+        while rows * 4 * width <= self.max_compression_pages and rows * 4 <= self.config.max_num_seqs:
+            rows *= 4
         return rows
 
     def compress(self, compressions, wait: bool = False):
@@ -255,7 +310,7 @@ class ModelRunner:
             most = self.compression_rows(width)
             for start in range(0, len(group), most):
                 part = group[start:start + most]
-                rows = pick_bucket(bucket_sizes(1, most), len(part))
+                rows = pick_bucket(bucket_sizes(1, most, 4), len(part))
                 self._timed_compress(part, budget, width, rows, wait)
 
     def _timed_compress(self, group, budget: int, width: int, rows: int, wait: bool):
@@ -276,8 +331,7 @@ class ModelRunner:
         else:
             self.compression_seconds += min(seen)
 
-    def _compress_group(self, group, budget: int, rows: int, width: int | None = None):
-        width = width or self.pages_per_seq
+    def _compression_plan(self, group, budget: int, rows: int, width: int) -> CompressionPlan:
         src = np.zeros((rows, width), np.int32)
         dst = np.zeros((rows, budget), np.int32)
         num_src, query_slots, logical = (np.zeros(rows, np.int32) for _ in range(3))
@@ -290,20 +344,46 @@ class ModelRunner:
             before[i], valid[i] = c.compressed_before, True
         targets = dst[valid]  # the compaction's scatter assumes distinct real pages (unique_indices)
         assert targets.min(initial=1) > 0 and len(np.unique(targets)) == targets.size, "overlapping dst pages"
-        plan = CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
+        return CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
                                logical_lens=logical, compressed_before=before, valid=valid)
-        packed, spec = packing.pack(plan)
-        self.k_pool, self.v_pool, self.score_cache = self._compress(
-            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jnp.asarray(packed), spec=spec)
+
+    def _compress_program(self, packed, spec, rows: int, width: int) -> Program:
+        return Program(key=("compress", spec), name=f"compress {rows} rows x {width} pages", jitted=self._compress,
+                       args=(self.k_pool, self.v_pool, self.score_cache, self.query_cache,
+                             jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
+                       static=dict(spec=spec), options=COMPILER_OPTIONS)
+
+    def _compress_group(self, group, budget: int, rows: int, width: int):
+        packed, spec = packing.pack(self._compression_plan(group, budget, rows, width))
+        self.k_pool, self.v_pool, self.score_cache = self.programs.run(
+            self._compress_program(packed, spec, rows, width),
+            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jax.device_put(packed, self.replicated))
 
     # -- swapping ------------------------------------------------------------------------------------------
+    def _swap_programs(self, size: int, state=None) -> tuple[Program, Program]:
+        caches = (self.k_pool, self.v_pool, self.score_cache, self.query_cache)
+        index = (jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated),
+                 jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
+        gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, caches + index,
+                         options=COMPILER_OPTIONS)
+        if state is None:
+            state = jax.eval_shape(self._swap_gather, *caches, *index)
+        state = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+        scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, caches + index + state,
+                          options=COMPILER_OPTIONS)
+        return gather, scatter
+
+    def _swap_index(self, pages: np.ndarray, query_slot: int):
+        return jax.device_put((pages, np.int32(query_slot)), self.replicated)
+
     def swap_out(self, pages: list[int], query_slot: int) -> tuple:
         """Host copies of the pages' K/V (and scores) and of the query-cache row, ordered after every step
         dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away."""
         padded = np.zeros(pick_bucket(self.swap_page_sizes, len(pages)), np.int32)
         padded[:len(pages)] = pages
-        arrays = self._swap_gather(self.k_pool, self.v_pool, self.score_cache, self.query_cache,
-                                   jnp.asarray(padded), jnp.int32(query_slot))
+        gather, _ = self._swap_programs(len(padded))
+        arrays = self.programs.run(gather, self.k_pool, self.v_pool, self.score_cache, self.query_cache,
+                                   *self._swap_index(padded, query_slot))
         k, v, scores, queries = (np.asarray(a) for a in arrays)
         n = len(pages)
         return k[:, :n], v[:, :n], scores[:, :n] if scores.ndim else scores, queries
@@ -319,9 +399,11 @@ class ModelRunner:
             return np.concatenate([a, np.zeros((a.shape[0], size - a.shape[1]) + a.shape[2:], a.dtype)], axis=1)
 
         scores = pad(scores) if scores.ndim else scores
-        self.k_pool, self.v_pool, self.score_cache, self.query_cache = self._swap_scatter(
-            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jnp.asarray(padded),
-            jnp.int32(query_slot), pad(k), pad(v), scores, queries)
+        state = (pad(k), pad(v), scores, queries)
+        _, scatter = self._swap_programs(size, state)
+        self.k_pool, self.v_pool, self.score_cache, self.query_cache = self.programs.run(
+            scatter, self.k_pool, self.v_pool, self.score_cache, self.query_cache,
+            *self._swap_index(padded, query_slot), *state)
 
     # -- one scheduler output ------------------------------------------------------------------------------
     def execute(self, scheduled, prefill_tokens: int | None = None, prefill_rows: int | None = None) -> list:
@@ -343,24 +425,36 @@ class ModelRunner:
         return handles
 
     # -- warm-up -------------------------------------------------------------------------------------------
-    def warmup(self):
-        """Compile every shape bucket with all-padding steps (writes land in the null page): greedy and sampled
-        decode, prefill, compression. Penalties widen the history and compile on first use."""
+    def warmup_programs(self) -> list[Program]:
+        """Every program a workload without penalties can need: greedy and sampled decode per batch bucket,
+        prefill per token bucket, and with compression the steady-state compression at every row bucket, the
+        wider first compressions of long prompts at one row, and the swaps of a steady-state request.
+        Penalties (repetition, presence, frequency) widen the sampling history and compile on first use."""
+        programs = []
         for rows in self.decode_sizes:
-            self.decode([], rows)
-            self.decode([], rows, force_sampled=True)
+            for sampled in (False, True):
+                programs.append(self._step_program(self._decode_inputs([], rows, sampled), "decode", rows)[0])
         for num_tokens in self.prefill_token_sizes:
-            for rows in self.prefill_row_sizes:
-                if rows <= num_tokens:
-                    self.prefill([], num_tokens, rows)
+            inputs, _ = self._prefill_inputs([], num_tokens, self.prefill_rows)
+            programs.append(self._step_program(inputs, "prefill", num_tokens)[0])
+        for budget, width, rows in self._warmup_compressions():
+            packed, spec = packing.pack(self._compression_plan([], budget, rows, width))
+            programs.append(self._compress_program(packed, spec, rows, width))
+        if self._warmup_compressions():
+            programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_blocks + 1)))
+        return programs
+
+    def _warmup_compressions(self) -> list[tuple[int, int, int]]:
         budget = self.config.kv_budget_blocks
-        if self.compression and budget + 1 <= self.pages_per_seq:
-            # the steady-state width at every row bucket; wider ones (first compressions of long prompts) one row
-            for width in self.compression_widths(budget):
-                sizes = bucket_sizes(1, self.compression_rows(width)) if width == budget + 1 else [1]
-                for rows in sizes:
-                    self._compress_group([], budget, rows, width)
-            size = pick_bucket(self.swap_page_sizes, budget + 1)
-            state = self.swap_out([0] * size, self.query_sink)
-            self.swap_in([0] * size, self.query_sink, state)
-        jax.block_until_ready(self.token_buffer)
+        if not self.compression or budget + 1 > self.pages_per_seq:
+            return []
+        shapes = []
+        for width in self.compression_widths(budget):
+            sizes = bucket_sizes(1, self.compression_rows(width), 4) if width == budget + 1 else [1]
+            shapes.extend((budget, width, rows) for rows in sizes)
+        return shapes
+
+    def warmup(self) -> dict:
+        """Compile every warm-up program, in parallel; returns their number and the wall seconds it took."""
+        programs = self.warmup_programs()
+        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs))

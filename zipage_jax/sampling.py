@@ -9,6 +9,7 @@ Logprobs are taken from the raw logits, before any of these steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -204,8 +205,9 @@ class SamplingTensors:
 
         W (history width) is the next power of two >= the longest history any penalized row needs
         (prompt + output with a repetition penalty, output only otherwise), or 1 when no row is
-        penalized; `history_width` pins it instead. E is the next power of two >= the most ids a
-        row bans. Powers of two keep the number of distinct shapes (jit cache keys) logarithmic.
+        penalized; `history_width` pins it instead. E is `BAN_WIDTH`, or the next power of two >= the most
+        ids a row bans when that is more. Fixed and power-of-two widths keep the distinct shapes (compiled
+        programs) few. The per-row work is a few numpy conversions, not Python per field: this runs every step.
         """
         rows = [SamplingRow(*r) for r in rows]
         vocab_size = _int("vocab_size", vocab_size, lo=1)
@@ -214,58 +216,66 @@ class SamplingTensors:
             raise ValueError(f"batch_size ({b}) must be >= the number of rows ({len(rows)})")
         eos = _token_ids("eos_token_ids",
                          (eos_token_ids,) if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids)
+        params = [r.params for r in rows]
+        if not all(isinstance(p, SamplingParams) for p in params):
+            bad = next(p for p in params if not isinstance(p, SamplingParams))
+            raise ValueError(f"rows: params must be SamplingParams, got {type(bad).__name__}")
+        n = len(rows)
+        seeds = [r.seed for r in rows]
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in seeds):
+            raise ValueError("rows: seed must be an int")
+        steps = np.array([r.step for r in rows], np.int64).reshape(n)
+        if steps.size and steps.min() < 0:
+            raise ValueError(f"rows: step must be >= 0, got {int(steps.min())}")
 
-        histories, bans = [], []
-        for r in rows:
-            p = r.params
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"rows: params must be SamplingParams, got {type(p).__name__}")
-            _int("rows: seed", r.seed)
-            step = _int("rows: step", r.step, lo=0)
-            if p.uses_penalties:  # only penalized rows pay for copying their history
-                prompt = list(r.prompt_token_ids) if p.repetition_penalty != 1.0 else []
-                histories.append((prompt, list(r.output_token_ids)))
-            else:
-                histories.append(([], []))
-            if step < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
-                bans.append(sorted(ids))
-            else:
-                bans.append([])
-
-        longest = max((len(a) + len(o) for a, o in histories), default=0)
-        w = _next_pow2(longest) if any(r.params.uses_penalties for r in rows) else 1
+        values = np.array([_filter_values(p, vocab_size) for p in params], np.float32).reshape(n, 7)
+        seed64 = np.array([x % 2**64 for x in seeds], np.uint64)
+        bans = {i: sorted(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos)))
+                for i in np.flatnonzero(steps < np.array([p.min_tokens for p in params], np.int64))}
+        penalized = any(p.uses_penalties for p in params)
+        histories = {i: (list(rows[i].prompt_token_ids) if params[i].repetition_penalty != 1.0 else [],
+                         list(rows[i].output_token_ids)) for i in range(n) if params[i].uses_penalties}
+        longest = max((len(a) + len(o) for a, o in histories.values()), default=0)
+        w = _next_pow2(longest) if penalized else 1
         if history_width is not None:
             w = _int("history_width", history_width, lo=1)
             if w < longest:
                 raise ValueError(f"history_width ({w}) must be >= the longest history ({longest})")
-        e = _next_pow2(max((len(x) for x in bans), default=1))
+        e = max(BAN_WIDTH, _next_pow2(max((len(x) for x in bans.values()), default=1)))
 
-        f32 = lambda fill: np.full(b, fill, np.float32)  # noqa: E731
-        t = cls(temperature=f32(0.0), top_k=np.zeros(b, np.int32), top_p=f32(1.0), min_p=f32(0.0),
-                repetition_penalty=f32(1.0), presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
-                seeds=np.zeros((b, 2), np.uint32), steps=np.zeros(b, np.int32),
+        def column(j, fill, dtype=np.float32):
+            out = np.full(b, fill, dtype)
+            out[:n] = values[:, j]
+            return out
+
+        t = cls(temperature=column(0, 0.0), top_k=column(1, 0, np.int32), top_p=column(2, 1.0),
+                min_p=column(3, 0.0), repetition_penalty=column(4, 1.0), presence_penalty=column(5, 0.0),
+                frequency_penalty=column(6, 0.0), seeds=np.zeros((b, 2), np.uint32), steps=np.zeros(b, np.int32),
                 history=np.full((b, w), -1, np.int32), history_is_output=np.zeros((b, w), bool),
                 banned_token_ids=np.full((b, e), -1, np.int32))
-        for i, (r, (prompt, out), ban) in enumerate(zip(rows, histories, bans)):
-            p = r.params
-            if not p.greedy:  # greedy rows keep the neutral filters so they never trigger a filter branch
-                t.temperature[i] = p.temperature
-                t.top_k[i] = p.top_k if p.top_k < vocab_size else 0
-                t.top_p[i] = p.top_p
-                t.min_p[i] = p.min_p
-            t.repetition_penalty[i] = p.repetition_penalty
-            t.presence_penalty[i] = p.presence_penalty
-            t.frequency_penalty[i] = p.frequency_penalty
-            seed = r.seed % 2**64
-            t.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-            t.steps[i] = r.step
+        t.seeds[:n, 0] = (seed64 & 0xFFFFFFFF).astype(np.uint32)
+        t.seeds[:n, 1] = (seed64 >> 32).astype(np.uint32)
+        t.steps[:n] = steps
+        for i, (prompt, out) in histories.items():  # only penalized rows pay for copying their history
             t.history[i, :len(prompt)] = prompt
             t.history[i, len(prompt):len(prompt) + len(out)] = out
             t.history_is_output[i, len(prompt):len(prompt) + len(out)] = True
+        for i, ban in bans.items():
             t.banned_token_ids[i, :len(ban)] = ban
-        penalized = any(r.params.uses_penalties for r in rows) or any(bans)
-        return t.replace(penalized=penalized, sampled=not all(r.params.greedy for r in rows))
+        return t.replace(penalized=penalized, sampled=not all(p.greedy for p in params))
+
+
+BAN_WIDTH = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _filter_values(p: SamplingParams, vocab_size: int) -> tuple:
+    """temperature, top_k, top_p, min_p and the three penalties of a row; greedy rows keep the neutral filters
+    so they never trigger a filter branch."""
+    penalties = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+    if p.greedy:
+        return (0.0, 0, 1.0, 0.0) + penalties
+    return (p.temperature, p.top_k if p.top_k < vocab_size else 0, p.top_p, p.min_p) + penalties
 
 
 def _rows_index(x: jax.Array, cols: jax.Array) -> jax.Array:
@@ -275,30 +285,29 @@ def _rows_index(x: jax.Array, cols: jax.Array) -> jax.Array:
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Min-tokens bans, then repetition (prompt + output, HF/vLLM: logit > 0 -> /p else *p),
-    frequency (-f * count) and presence (-p if present) over output tokens; skipped when no row needs it.
+    """Min-tokens bans (always: a scatter of E ids a row), then, when some row has one (`penalized`), repetition
+    (prompt + output, HF/vLLM: logit > 0 -> /p else *p), frequency (-f * count) and presence (-p if present)
+    over output tokens.
 
     Works by gather/scatter over the [B,W] history so no [B,V] count arrays are built.
     """
     logits = logits.astype(jnp.float32)
     b = logits.shape[0]
     rows = jnp.arange(b)[:, None]
-
-    def penalize(x):
-        cols = _rows_index(x, t.history)
-        out_cols = jnp.where(t.history_is_output, cols, x.shape[-1])
-        x = x.at[rows, _rows_index(x, t.banned_token_ids)].set(-jnp.inf, mode="drop")
-        # Repetition: duplicates of a token write the same value, so the scatter is idempotent.
-        g = jnp.take_along_axis(x, cols, axis=1, mode="clip")
-        p = t.repetition_penalty[:, None]
-        x = x.at[rows, cols].set(jnp.where(g > 0, g / p, g * p), mode="drop")
-        # Presence once per distinct token (idempotent set), frequency once per occurrence (add).
-        g = jnp.take_along_axis(x, out_cols, axis=1, mode="clip")
-        x = x.at[rows, out_cols].set(g - t.presence_penalty[:, None], mode="drop")
-        freq = jnp.broadcast_to(t.frequency_penalty[:, None], out_cols.shape)
-        return x.at[rows, out_cols].add(-freq, mode="drop")
-
-    return penalize(logits) if t.penalized else logits
+    x = logits.at[rows, _rows_index(logits, t.banned_token_ids)].set(-jnp.inf, mode="drop")
+    if not t.penalized:
+        return x
+    cols = _rows_index(x, t.history)
+    out_cols = jnp.where(t.history_is_output, cols, x.shape[-1])
+    # Repetition: duplicates of a token write the same value, so the scatter is idempotent.
+    g = jnp.take_along_axis(x, cols, axis=1, mode="clip")
+    p = t.repetition_penalty[:, None]
+    x = x.at[rows, cols].set(jnp.where(g > 0, g / p, g * p), mode="drop")
+    # Presence once per distinct token (idempotent set), frequency once per occurrence (add).
+    g = jnp.take_along_axis(x, out_cols, axis=1, mode="clip")
+    x = x.at[rows, out_cols].set(g - t.presence_penalty[:, None], mode="drop")
+    freq = jnp.broadcast_to(t.frequency_penalty[:, None], out_cols.shape)
+    return x.at[rows, out_cols].add(-freq, mode="drop")
 
 
 def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zipage_jax.models.params import LayerParams, Params
+from zipage_jax.models.params import Params, ServingLayer, ServingParams, to_serving
 
 AXIS = "tp"
 
@@ -24,30 +24,30 @@ def make_mesh(tensor_parallel_size: int, model_cfg) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
 
 
-def param_shardings(params: Params, mesh: Mesh) -> Params:
-    """Column-parallel q/k/v/gate/up (and their biases), row-parallel o/down, everything else replicated."""
+def param_shardings(params: ServingParams, mesh: Mesh) -> ServingParams:
+    """Column-parallel fused q/k/v and gate/up (and the bias), row-parallel o/down, everything else replicated.
+    The fused columns are grouped per shard (see ``ServingLayer``), so an even split gives each shard its heads."""
     def spec(*axes):
         return NamedSharding(mesh, P(*axes))
 
     rep = spec()
-    column, row, column_bias = spec(None, None, AXIS), spec(None, AXIS, None), spec(None, AXIS)
-    layers = params.layers
+    column, row = spec(None, AXIS), spec(AXIS, None)
 
     def maybe(value, sharding):
         return None if value is None else sharding
 
-    return Params(
+    return params.replace(
         embed=rep, final_norm=rep, lm_head=maybe(params.lm_head, rep),
-        layers=LayerParams(
-            input_norm=rep, post_norm=rep, q_proj=column, k_proj=column, v_proj=column, o_proj=row,
-            gate_proj=column, up_proj=column, down_proj=row,
-            q_bias=maybe(layers.q_bias, column_bias), k_bias=maybe(layers.k_bias, column_bias),
-            v_bias=maybe(layers.v_bias, column_bias),
-            q_norm=maybe(layers.q_norm, rep), k_norm=maybe(layers.k_norm, rep)))
+        layers=tuple(ServingLayer(
+            input_norm=rep, post_norm=rep, qkv_proj=column, o_proj=row, gate_up_proj=column, down_proj=row,
+            qkv_bias=maybe(layer.qkv_bias, spec(AXIS)), q_norm=maybe(layer.q_norm, rep),
+            k_norm=maybe(layer.k_norm, rep)) for layer in params.layers))
 
 
-def shard_params(params: Params, mesh: Mesh) -> Params:
-    return jax.device_put(params, param_shardings(params, mesh))
+def shard_params(params: Params, mesh: Mesh) -> ServingParams:
+    """The engine's weights: ``params`` in the serving layout (fused per shard of ``mesh``), placed on it."""
+    serving = to_serving(params, mesh.size)
+    return jax.device_put(serving, param_shardings(serving, mesh))
 
 
 def kv_head_sharding(mesh: Mesh) -> NamedSharding:

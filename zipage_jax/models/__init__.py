@@ -1,7 +1,7 @@
 """Functional llama-family models: config, layer-stacked params, dense and paged forward passes."""
 
 from .config import Llama3RopeScaling, ModelConfig
-from .params import LayerParams, Params
+from .params import LayerParams, Params, ServingLayer, ServingParams, to_serving
 from .transformer import PagedBatch, forward_dense, forward_paged
 
 __all__ = [
@@ -9,6 +9,9 @@ __all__ = [
     "ModelConfig",
     "LayerParams",
     "Params",
+    "ServingLayer",
+    "ServingParams",
+    "to_serving",
     "PagedBatch",
     "forward_dense",
     "forward_paged",

@@ -1,11 +1,19 @@
-"""Parameter pytrees. Layer weights are stacked on axis 0 so the forward pass can `lax.scan` over layers.
+"""Parameter pytrees in two layouts.
+
+`Params` stacks the layer weights on axis 0, so training and the dense forward `lax.scan` over layers (fast to
+compile, one gradient buffer per field). `ServingParams` is what the engine's steps read: one buffer per layer
+(a scan would slice each layer out of the stack, and XLA copies such a slice before every matmul, reading the
+weights three times) with q/k/v and gate/up fused into one matmul each. `to_serving` builds it at load time.
 
 Matrices are stored `[in, out]` (x @ W). Optional fields are None when the architecture lacks them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 
@@ -70,3 +78,66 @@ def params_from_flat(flat: dict) -> Params:
         final_norm=flat["final_norm"],
         lm_head=flat.get("lm_head"),
     )
+
+
+@struct.dataclass
+class ServingLayer:
+    """One decoder layer as the engine reads it. Fused columns are grouped per tensor-parallel shard:
+    `qkv_proj` is `[q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...]` for shards 0, 1, ..., so splitting the column
+    axis evenly over the shards gives each its own heads (likewise `[gate_s | up_s]` in `gate_up_proj`)."""
+
+    input_norm: jax.Array  # [Hd]
+    qkv_proj: jax.Array  # [Hd, (Hq + 2 Hkv) * D]
+    o_proj: jax.Array  # [Hq*D, Hd]
+    post_norm: jax.Array  # [Hd]
+    gate_up_proj: jax.Array  # [Hd, 2 I]
+    down_proj: jax.Array  # [I, Hd]
+    qkv_bias: jax.Array | None = None  # [(Hq + 2 Hkv) * D] (qwen2)
+    q_norm: jax.Array | None = None  # [D] (qwen3)
+    k_norm: jax.Array | None = None  # [D]
+
+
+@struct.dataclass
+class ServingParams:
+    embed: jax.Array  # [V, Hd]
+    layers: tuple[ServingLayer, ...]
+    final_norm: jax.Array  # [Hd]
+    lm_head: jax.Array | None = None  # [Hd, V]; None = tied to embed
+    shards: int = struct.field(pytree_node=False, default=1)  # tensor-parallel groups of the fused columns
+
+
+def fuse_columns(parts: list[jax.Array], shards: int) -> jax.Array:
+    """Concatenate `parts` along the last axis, grouped per shard: [p0_s0 | p1_s0 | ... | p0_s1 | p1_s1 | ...]."""
+    split = [jnp.split(p, shards, axis=-1) for p in parts]
+    return jnp.concatenate([piece for s in range(shards) for piece in (pieces[s] for pieces in split)], axis=-1)
+
+
+def unfuse_columns(fused: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
+    """Inverse of `fuse_columns` for parts of total widths `sizes` (each divisible by `shards`)."""
+    lead = fused.shape[:-1]
+    grouped = fused.reshape(*lead, shards, sum(sizes) // shards)
+    parts, start = [], 0
+    for size in sizes:
+        width = size // shards
+        parts.append(grouped[..., start:start + width].reshape(*lead, size))
+        start += width
+    return parts
+
+
+def to_serving(params: Params, shards: int = 1) -> ServingParams:
+    """The engine's layout of `params`: per-layer buffers, fused q/k/v and gate/up (columns grouped by shard)."""
+    num_layers = params.layers.input_norm.shape[0]
+    return ServingParams(embed=params.embed, layers=tuple(_serving_layer(params.layers, i, shards)
+                                                          for i in range(num_layers)),
+                         final_norm=params.final_norm, lm_head=params.lm_head, shards=shards)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
+    layer = jax.tree.map(lambda x: x[i], stacked)
+    bias = None if layer.q_bias is None else fuse_columns([layer.q_bias, layer.k_bias, layer.v_bias], shards)
+    return ServingLayer(
+        input_norm=layer.input_norm, post_norm=layer.post_norm, o_proj=layer.o_proj, down_proj=layer.down_proj,
+        q_norm=layer.q_norm, k_norm=layer.k_norm, qkv_bias=bias,
+        qkv_proj=fuse_columns([layer.q_proj, layer.k_proj, layer.v_proj], shards),
+        gate_up_proj=fuse_columns([layer.gate_proj, layer.up_proj], shards))

@@ -1,6 +1,5 @@
-"""Functional llama / qwen2 / qwen3 decoder: a dense forward (training, parity) and a paged forward (engine).
-
-Both scan over the layer-stacked Params. Matmuls run in the params dtype; norms, RoPE, softmax and the
+"""Functional llama / qwen2 / qwen3 decoder: a dense forward (training, parity) over the layer-stacked `Params`
+and a paged forward (engine) over `ServingParams`. Matmuls run in the params dtype; norms, RoPE, softmax and the
 final logits are float32.
 """
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import ModelConfig
-from .params import LayerParams, Params
+from .params import LayerParams, Params, ServingLayer, ServingParams, unfuse_columns
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -112,8 +111,29 @@ def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions
     return _logits(params, cfg, x)
 
 
+def _fused_qkv(layer: ServingLayer, cfg: ModelConfig, shards: int, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """`_qkv` with one matmul: post-RoPE q [T, Hq, D], k/v [T, Hkv, D]."""
+    qkv = h @ layer.qkv_proj
+    if layer.qkv_bias is not None:
+        qkv = qkv + layer.qkv_bias
+    q, k, v = unfuse_columns(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
+    q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _fused_mlp(layer: ServingLayer, cfg: ModelConfig, shards: int, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+    gate, up = unfuse_columns(h @ layer.gate_up_proj, (cfg.intermediate_size,) * 2, shards)
+    return (jax.nn.silu(gate) * up) @ layer.down_proj
+
+
 def forward_paged(
-    params: Params,
+    params: ServingParams,
     cfg: ModelConfig,
     k_pool: jax.Array,
     v_pool: jax.Array,
@@ -126,33 +146,30 @@ def forward_paged(
     Writes this step's K/V at `batch.slot_mapping`, attends through `backend` (a static object with
     write_kv / decode / prefill, see docs/ARCHITECTURE.md) and returns
     `(logits [N,V] f32, k_pool, v_pool)`; with `return_queries=True` also the post-RoPE queries
-    `[L, T, Hq, D]` (input of compression scoring). The pools ride in the scan carry and each layer is
-    addressed by index, never sliced out.
+    `[L, T, Hq, D]` (input of compression scoring).
+
+    The layer loop is unrolled over `ServingParams`' per-layer buffers, so every matmul reads its weights in
+    place (a scan would copy each layer's slice of stacked weights first); the pools are addressed by layer
+    index, never sliced, and updated in place under donation.
     """
     cos, sin = rope_cos_sin(batch.positions, cfg)
     sm_scale = cfg.head_dim ** -0.5
     num_tokens = batch.tokens.shape[0]
-
-    def layer_step(carry, xs):
-        x, k_pool, v_pool = carry
-        layer, index = xs
-        q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+    x = params.embed[batch.tokens]
+    queries = []
+    for index, layer in enumerate(params.layers):
+        index = jnp.int32(index)  # a traced operand: every layer shares one kernel instance
+        q, k, v = _fused_qkv(layer, cfg, params.shards, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
         k_pool, v_pool = backend.write_kv(k_pool, v_pool, index, batch.slot_mapping, k, v)
         if batch.cu_q_lens is None:
             attn = backend.decode(q, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
         else:
-            attn = backend.prefill(
-                q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables, sm_scale
-            )
+            attn = backend.prefill(q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables,
+                                   sm_scale)
         x = x + attn.reshape(num_tokens, cfg.q_size) @ layer.o_proj
-        x = x + _mlp(layer, cfg, x)
-        return (x, k_pool, v_pool), (q if return_queries else None)
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), queries = jax.lax.scan(
-        layer_step, (params.embed[batch.tokens], k_pool, v_pool), (params.layers, layer_ids)
-    )
+        x = x + _fused_mlp(layer, cfg, params.shards, x)
+        queries.append(q)
     logits = _logits(params, cfg, x[batch.logits_indices])
     if return_queries:
-        return logits, k_pool, v_pool, queries
+        return logits, k_pool, v_pool, jnp.stack(queries)
     return logits, k_pool, v_pool

@@ -1,0 +1,45 @@
+"""Write a random-weight HF checkpoint of a real model's shapes, for start-up and throughput benchmarks.
+
+    python scripts/make_random_checkpoint.py /tmp/qwen3-8b --model-shape qwen3-8b
+
+Needs torch and transformers (the GPU machine has both): the model is built on the GPU in bf16 and saved with
+``save_pretrained`` (Qwen3-8B: 16.4 GB in about 20 s). The tokenizer is the shipped model's, so prompts are best
+given as token ids.
+"""
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from zipage_jax.bench import MODEL_SHAPES
+from zipage_jax.engine import DEFAULT_MODEL
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="directory to write")
+    parser.add_argument("--model-shape", choices=[k for k, v in MODEL_SHAPES.items() if v.model_type == "qwen3"],
+                        default="qwen3-8b")
+    args = parser.parse_args()
+    shape = MODEL_SHAPES[args.model_shape]
+    start = time.perf_counter()
+    config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                         head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
+                         tie_word_embeddings=shape.tie_word_embeddings,
+                         max_position_embeddings=shape.max_position_embeddings, eos_token_id=2)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(args.out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEFAULT_MODEL) / name, args.out)
+    print(f"{args.model_shape} checkpoint written to {args.out} in {time.perf_counter() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
