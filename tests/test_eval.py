@@ -17,7 +17,7 @@ from zipage_jax.tasks import sample_problems
 MODEL = "tests/fixtures/hf/qwen3"  # random weights, character tokenizer, no chat template
 
 REPORT_KEYS = {"model", "data", "accuracy", "num_questions", "samples", "num_requests", "mean_output_tokens",
-               "generated_tokens", "elapsed_s", "generated_tokens_per_s", "peak_pages_per_request",
+               "generated_tokens", "elapsed_s", "warmup", "generated_tokens_per_s", "peak_pages_per_request",
                "peak_pages_after_compression_per_request", "compressions_per_request", "finish_reasons",
                "checker", "sampling", "engine_config", "records"}
 RECORD_KEYS = {"index", "sample", "question", "answer", "reference", "output", "extracted", "correct", "length",
@@ -207,13 +207,14 @@ def test_cli_end_to_end_on_a_jsonl_file(tmp_path):
     out = tmp_path / "out" / "report.json"
     run = subprocess.run([sys.executable, "-m", "zipage_jax.eval", "--model", MODEL, "--data", str(data),
                           "--samples", "2", "--temperature", "1.0", "--max-tokens", "12", "--block-size", "16",
-                          "--output", str(out)], capture_output=True, text=True, timeout=120)
+                          "--no-warmup", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "accuracy" in run.stdout and "no chat template" in run.stderr
     report = json.loads(out.read_text())
     _check_report(report, num_questions=2, samples=2)
     assert [r["reference"] for r in report["records"]] == ["36", "36", "2", "2"]
     assert report["sampling"]["temperature"] == 1.0 and report["engine_config"]["block_size"] == 16
+    assert report["warmup"] is None
     by_question = [[r["output"] for r in report["records"] if r["index"] == i] for i in range(2)]
     assert any(a != b for a, b in by_question)  # distinct seeds per sample
 
@@ -222,11 +223,15 @@ def test_cli_on_the_synthetic_split_with_compression(tmp_path, capsys):
     out = tmp_path / "report.json"
     report = main(["--model", MODEL, "--data", "synthetic:test:5", "--limit", "3", "--max-tokens", "40",
                    "--block-size", "16", "--compression", "--kv-budget-blocks", "2", "--no-progress",
-                   "--output", str(out)])
+                   "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--output", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     _check_report(report, num_questions=3, samples=1)
     assert [r["question"] for r in report["records"]] == [p.question for p in sample_problems(3, 0, "test")]
     assert report["engine_config"]["compression"] and report["engine_config"]["kv_budget_blocks"] == 2
     # a prompt of ~20 tokens plus 40 generated ones outgrows a 2-page budget of 16-token pages
     assert report["compressions_per_request"]["mean"] >= 1
-    assert "compressed (zipage, budget 2 pages of 16)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "compressed (zipage, budget 2 pages of 16)" in printed
+    # warm-up is on by default and reported apart from the generation throughput
+    assert report["warmup"]["programs"] > 0 and report["warmup"]["compile_s"] > 0
+    assert f"after compiling {report['warmup']['programs']} programs" in printed

@@ -169,9 +169,11 @@ def summary(report: dict) -> str:
     cfg = report["engine_config"]
     mode = (f"compressed ({cfg['eviction_policy']}, budget {cfg['kv_budget_blocks']} pages of {cfg['block_size']})"
             if cfg["compression"] else f"full KV (pages of {cfg['block_size']})")
+    warmup = report.get("warmup")
+    compiled = f" (after compiling {warmup['programs']} programs in {warmup['compile_s']:.1f}s)" if warmup else ""
     return (f"{mode}: accuracy {report['accuracy']:.4f} over {report['num_questions']} questions x "
             f"{report['samples']} samples | mean output {report['mean_output_tokens']:.1f} tokens | "
-            f"{report['generated_tokens_per_s']:.1f} generated tok/s | peak pages/request mean "
+            f"{report['generated_tokens_per_s']:.1f} generated tok/s{compiled} | peak pages/request mean "
             f"{pages['mean']:.2f} max {pages['max']} | compressions/request mean {comp['mean']:.2f} max {comp['max']}")
 
 
@@ -230,9 +232,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                                                                  "the model's context (default: %(default)s)")
     ev.add_argument("--system-prompt", default=None, help="system message placed before each question")
     ev.add_argument("--output", default=None, help="write the JSON report here")
-    ev.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
-                    help="compile every shape bucket first, so throughput excludes compile time "
-                         "(default: %(default)s)")
+    ev.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every shape bucket first (in parallel, reported on its own), so the throughput "
+                         "excludes compile time (default: %(default)s)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="show the progress bar (default: %(default)s)")
     return parser, add_engine_options(parser)
@@ -276,9 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
         _option_error(parser, e)
     except OSError as e:  # a directory without a loadable model
         parser.error(f"--model: cannot load {args.model!r} ({e})")
-    if args.warmup:
-        llm.warmup()
-    report = {"model": args.model, "data": args.data,
+    warmup = llm.warmup(use_tqdm=args.progress) if args.warmup else None
+    report = {"model": args.model, "data": args.data, "warmup": warmup,
               **evaluate(llm, items, samples=args.samples, seed=llm.engine.config.seed,
                          system_prompt=args.system_prompt, use_tqdm=args.progress,
                          temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)}

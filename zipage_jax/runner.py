@@ -194,10 +194,12 @@ class ModelRunner:
         return tensors.replace(sampled=True) if force_sampled else tensors
 
     def _step_program(self, inputs, kind: str, rows: int) -> tuple[Program, np.ndarray]:
+        """The step program for ``inputs``; ``rows`` is the matmuls' row count (decode rows, prefill tokens)."""
         packed, spec = packing.pack(inputs)
         sampling = inputs["sampling"]
         mode = "penalized" if sampling.penalized else "sampled" if sampling.sampled else "greedy"
-        program = Program(key=("step", spec), name=f"{kind} {rows} rows, {mode}", jitted=self._step,
+        unit = "rows" if kind == "decode" else "tokens"
+        program = Program(key=("step", spec), name=f"{kind} {rows} {unit}, {mode}", jitted=self._step,
                           args=(self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer,
                                 jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
                           static=dict(spec=spec), options=compiler_options(rows))

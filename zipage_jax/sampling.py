@@ -228,7 +228,8 @@ class SamplingTensors:
         if steps.size and steps.min() < 0:
             raise ValueError(f"rows: step must be >= 0, got {int(steps.min())}")
 
-        values = np.array([_filter_values(p, vocab_size) for p in params], np.float32).reshape(n, 7)
+        with np.errstate(over="ignore"):  # a temperature past float32's range becomes inf: uniform, as intended
+            values = np.array([_filter_values(p, vocab_size) for p in params], np.float32).reshape(n, 7)
         seed64 = np.array([x % 2**64 for x in seeds], np.uint64)
         bans = {i: sorted(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos)))
                 for i in np.flatnonzero(steps < np.array([p.min_tokens for p in params], np.int64))}
