@@ -11,6 +11,7 @@ import pytest
 
 from zipage_jax.attention import ReferenceBackend
 from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
+from zipage_jax.models.params import fuse_columns, unfuse_columns
 from zipage_jax.weights import load_hf_weights
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -245,3 +246,18 @@ def test_forward_dense_bf16_params_stays_close_to_hf():
     logits = dense(params, cfg, jnp.asarray(expected["input_ids"]))
     assert logits.dtype == jnp.float32
     assert rel_err(logits, expected["logits"]) <= 5e-2
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_fused_columns_give_each_shard_its_own_parts(shards):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    parts = [rng.standard_normal((3, shards * w)).astype(np.float32) for w in (4, 2, 2)]
+    fused = np.asarray(fuse_columns([jnp.asarray(p) for p in parts], shards))
+    per_shard = np.split(fused, shards, axis=-1)  # what an even column sharding hands each device
+    for s, block in enumerate(per_shard):
+        want = np.concatenate([np.split(p, shards, axis=-1)[s] for p in parts], axis=-1)
+        np.testing.assert_array_equal(block, want, err_msg=f"seed {seed}, shard {s}")
+    back = unfuse_columns(jnp.asarray(fused), tuple(p.shape[-1] for p in parts), shards)
+    for got, want in zip(back, parts):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")

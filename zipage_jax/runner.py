@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax import kv_cache, packing, sharding
-from zipage_jax.programs import Program, Programs
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress
 from zipage_jax.models import PagedBatch, forward_paged
+from zipage_jax.programs import Program, Programs
 from zipage_jax.request import PENDING
 from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
 
@@ -177,9 +177,6 @@ class ModelRunner:
             col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             table[row, col] = ids
         return table
-
-    def _slot(self, request, index: int) -> int:
-        return request.block_ids[index // self.page_size] * self.page_size + index % self.page_size
 
     def _sampling(self, rows: int, requests, force_sampled: bool = False) -> SamplingTensors:
         """Per-row sampling tensors; ``force_sampled`` picks the sampling code path even for all-greedy rows
@@ -439,10 +436,11 @@ class ModelRunner:
         for num_tokens in self.prefill_token_sizes:
             inputs, _ = self._prefill_inputs([], num_tokens, self.prefill_rows)
             programs.append(self._step_program(inputs, "prefill", num_tokens)[0])
-        for budget, width, rows in self._warmup_compressions():
+        compressions = self._warmup_compressions()
+        for budget, width, rows in compressions:
             packed, spec = packing.pack(self._compression_plan([], budget, rows, width))
             programs.append(self._compress_program(packed, spec, rows, width))
-        if self._warmup_compressions():
+        if compressions:
             programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_blocks + 1)))
         return programs
 
