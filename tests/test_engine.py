@@ -194,7 +194,34 @@ def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_noth
     assert report["programs"] == DEFAULT_CONFIG_PROGRAMS
     assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS
     seed = int(np.random.SeedSequence().entropy % 2**31)
-    prompts, params = mixed_workload(np.random.default_rng(seed), llm.engine.model_cfg.vocab_size, 12, 400)
+    prompts, params = mixed_workload(np.random.default_rng(seed), llm.engine.model_cfg.vocab_size, 8, 200)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs), seed
     assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS, seed
+
+def test_chat_and_generate_reject_bad_input_and_an_empty_batch_prints_nothing(llm, capsys):
+    with pytest.raises(ValueError, match="^chat_template"):  # this fixture's tokenizer has no template
+        llm.chat([{"role": "user", "content": "hi"}])
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for bad in ([], "hi", [[{"role": "user"}]], [{"content": "no role"}]):
+        with pytest.raises(ValueError, match="^messages"):
+            llm.chat(bad, chat_template=template)
+    one = llm.chat([{"role": "user", "content": "a b c"}], GREEDY, chat_template=template, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == llm.generate(["a b c"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_tokenizer() is llm.tokenizer
+    capsys.readouterr()
+    assert llm.generate([]) == [] and capsys.readouterr().err == ""
+
+
+def test_quiet_start_and_long_prompts(llm, caplog):
+    """No advice to install PyTorch (the engine needs only tokenizers) and no tokenizer length warning: the
+    engine checks prompt lengths against max_model_len itself."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import zipage_jax; import transformers; transformers.AutoConfig"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "PyTorch was not found" not in run.stderr + run.stdout
+    with caplog.at_level("WARNING"):
+        ids = llm.tokenizer.encode(" ".join(["a"] * 5000), add_special_tokens=False)
+    assert len(ids) >= 5000 and not [r for r in caplog.records if "sequence length" in r.getMessage()]

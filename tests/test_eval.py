@@ -235,3 +235,20 @@ def test_cli_on_the_synthetic_split_with_compression(tmp_path, capsys):
     # warm-up is on by default and reported apart from the generation throughput
     assert report["warmup"]["programs"] > 0 and report["warmup"]["compile_s"] > 0
     assert f"after compiling {report['warmup']['programs']} programs" in printed
+
+
+def test_one_description_per_engine_field_serves_both_helps_and_the_readme():
+    from pathlib import Path
+
+    from zipage_jax.config import DESCRIPTIONS, reference_table
+    from zipage_jax.serve import build_parser as serve_parser
+
+    assert set(DESCRIPTIONS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    eval_help = " ".join(build_parser()[0].format_help().split())
+    serve_help = " ".join(serve_parser().format_help().split())
+    for name, text in DESCRIPTIONS.items():
+        if name != "model":
+            flat = " ".join(text.replace("`", "").split())
+            assert flat in eval_help and flat in serve_help, name
+    # regenerate with: python -c "from zipage_jax.config import reference_table; print(reference_table())"
+    assert reference_table() in (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -97,10 +97,13 @@ class RequestGroup:
 class AsyncEngine:
     """Owns the loop thread. `submit` / `RequestGroup.close` are called from the event loop only."""
 
-    def __init__(self, engine, *, max_queued_requests: int):
+    def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
+        self.warmup = warmup  # the loop thread compiles the engine's programs before it serves
+        self.ready = not warmup
+        self.startup = "waiting for the engine loop" if warmup else "ready"  # what start-up is doing now
         self.capacity = engine.config.max_num_seqs + max_queued_requests
         self.in_flight = 0  # admitted choices not yet closed (event-loop side)
         self.client_aborts = 0
@@ -130,6 +133,8 @@ class AsyncEngine:
         """
         if not self.alive:
             raise EngineUnavailableError("the server is shutting down")
+        if not self.ready:
+            raise EngineUnavailableError(f"the server is starting ({self.startup})")
         if self.in_flight + len(requests) > self.capacity:
             self.rejected += 1
             raise QueueFullError(f"the request queue is full ({self.in_flight} of {self.capacity} slots in use); "
@@ -165,6 +170,8 @@ class AsyncEngine:
     # -- loop-thread side ------------------------------------------------------------------------------------
     def _run(self):
         self.metrics = self.engine.metrics()
+        if self.warmup:
+            self._warm_up()
         while True:
             try:
                 busy = self.engine.has_unfinished_requests()
@@ -180,6 +187,19 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all("internal engine error")
                 time.sleep(FAILURE_BACKOFF_S)
+
+    def _warm_up(self):
+        """Compile every program before serving; meanwhile ``startup`` says how far it got (for /health)."""
+        def progress(done, total, name, seconds):
+            self.startup = f"compiled {done}/{total} programs, last: {name}"
+            log.info("compiling %d/%d: %s (%.1fs)", done, total, name, seconds)
+
+        self.startup = "compiling programs"
+        try:
+            self.engine.warmup(progress)
+        except Exception:  # programs then compile on first use; serving beats refusing to start
+            log.exception("warm-up failed; programs compile on first use")
+        self.startup, self.ready = "ready", True
 
     def _drain(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []

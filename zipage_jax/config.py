@@ -1,7 +1,14 @@
-"""Engine configuration: one frozen, validated dataclass; vLLM's names where vLLM has one."""
+"""Engine configuration: one frozen, validated dataclass; vLLM's names where vLLM has one.
 
+``DESCRIPTIONS`` holds the one description of each field: the server's and eval's ``--help``
+(``add_engine_options``) and the README's configuration reference (``reference_table``) come from it.
+"""
+
+import argparse
 import dataclasses
 import os
+import types
+import typing
 
 from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES
 
@@ -122,3 +129,100 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
+
+
+DESCRIPTIONS = {
+    "model": "HF checkpoint directory (config.json, safetensors, tokenizer)",
+    "tokenizer": "tokenizer path; None = the model's",
+    "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16`, `float32`",
+    "block_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
+    "max_model_len": "longest prompt + output in tokens; None = the model's context",
+    "max_num_seqs": "most running requests (decode batch sizes are compiled up to it)",
+    "max_num_batched_tokens": "token budget of one step (chunked prefill; prefill sizes are compiled up to it)",
+    "max_num_prefill_seqs": "most prompt chunks in one step",
+    "enable_prefix_caching": "share full prompt pages by a hash chain",
+    "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
+    "kv_cache_memory_bytes": "KV pool size in bytes instead",
+    "num_gpu_blocks_override": "KV pool size in pages instead",
+    "seed": "engine seed: seeds of requests that bring none",
+    "tensor_parallel_size": "devices to shard heads and MLP over",
+    "attention_backend": "`auto` (Mosaic GPU on Hopper, Triton through jax-triton on compute capability 8.x, "
+                         "reference on CPU), `mosaic`, `mosaic_decode` (Mosaic decode, XLA prefill), `triton`, "
+                         "`reference`",
+    "compilation_cache_dir": "persistent XLA compilation cache of every program; None = leave jax's own setting "
+                             "(off by default)",
+    "compression": "Compressed PagedAttention on/off (off = full-KV mode)",
+    "kv_budget_blocks": "budget `M`: a request holds at most `M+1` pages after its first compression",
+    "eviction_policy": "`zipage` (attention scores) or `window` (sinks + most recent tokens)",
+    "window": "`W` recent queries that score; the last `W` slots are never evicted",
+    "sink_tokens": "first tokens never evicted",
+    "global_score": "combine scores with their decayed history: `G = max(A, decay * G_old)` from the score cache",
+    "decay": "decay of the score history",
+    "pooling": "max-pool scores along slots",
+    "pooling_width": "max-pooling width (odd)",
+    "pooling_first_only": "pool only at a request's first compression",
+    "redundancy": "key-redundancy penalty: `off`, `lightning` (within a page), `full`",
+    "redundancy_weight": "`1 - lambda` in `S = lambda * P - (1 - lambda) * R`",
+    "similarity_threshold": "cosine similarity above which keys count as duplicates",
+    "redundancy_temperature": "softmax temperature of the redundancy penalty",
+    "num_query_slots": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
+                       "holder fits `M+1` pages",
+    "hybrid_admission": "requests without a query slot run until the window of their first compression, then "
+                        "stall until a slot frees; False = only slot holders run",
+    "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "
+                         "next step); False = first, the host waits",
+    "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "
+                             "front; None = max(pages of `max_model_len`, min(`max_num_seqs`, 64) * (M+1))",
+    "metrics_interval_steps": "steps between samples of `LLMEngine.metrics_history()` (0 = off)",
+}
+
+
+def _field_type(hint):
+    """(scalar type, accepts None) of an EngineConfig annotation such as `int`, `str | None`."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _optional(kind):
+    def convert(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names the type in its error messages
+    return convert
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
+    """One option per EngineConfig field except `model` (bools as --flag/--no-flag), described by
+    ``DESCRIPTIONS``; unset options keep the engine's default. Returns the field names."""
+    group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
+    hints = typing.get_type_hints(EngineConfig)
+    names = []
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        kind, nullable = _field_type(hints[field.name])
+        flag = "--" + field.name.replace("_", "-")
+        text = (f"{DESCRIPTIONS[field.name]} (default: {field.default}"
+                + ("; 'none' to unset)" if nullable else ")")).replace("%", "%%").replace("`", "")
+        if kind is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            group.add_argument(flag, dest=field.name, type=_optional(kind) if nullable else kind, default=None,
+                               metavar=kind.__name__.upper(), help=text)
+        names.append(field.name)
+    return names
+
+
+def reference_table() -> str:
+    """The README's configuration reference: one markdown row per field."""
+    def default(field):
+        if field.name == "model":
+            return "shipped tiny model"
+        value = field.default
+        return f"`{value}`" if isinstance(value, str) else str(value)
+
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {default(f)} | {DESCRIPTIONS[f.name]} |" for f in dataclasses.fields(EngineConfig)]
+    return "\n".join(rows)

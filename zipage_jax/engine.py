@@ -15,7 +15,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from zipage_jax import kv_cache, sharding, weights
 from zipage_jax.attention import ShardedBackend, resolve_backend
@@ -53,7 +53,8 @@ class LLMEngine:
 
         self.model_cfg = ModelConfig.from_pretrained(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.model_name = config.model
+        self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
+        self.model_name = pathlib.Path(config.model).name or config.model  # the id the server offers
         self.dtype = resolve_dtype(config.dtype, self.model_cfg)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size, self.model_cfg)
         self.params = sharding.shard_params(weights.load_hf_weights(config.model, self.model_cfg, self.dtype),
@@ -381,6 +382,9 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
     def metrics(self) -> dict:
         return self.engine.metrics()
 
@@ -392,6 +396,27 @@ class LLM:
                 bar.set_postfix_str(name)
                 bar.update(1)
             return self.engine.warmup(progress)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Like vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list of
+        them, rendered with the tokenizer's chat template (or ``chat_template``), then generated; one
+        ``RequestOutput`` per conversation."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("chat_template: the tokenizer has none; pass chat_template= or use generate()")
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, (list, tuple)) or not all(
+                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in conversation):
+                raise ValueError(f"messages[{i}]: a conversation is a list of {{'role', 'content'}} dicts")
+            prompts.append(self.tokenizer.apply_chat_template(list(conversation), chat_template=template,
+                                                              add_generation_prompt=add_generation_prompt,
+                                                              tokenize=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order (``n`` completions each)."""
@@ -420,15 +445,20 @@ class LLM:
                 self.engine.step(only_finished=True)
             raise
         finals: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm, unit="req")
-        start, generated = time.perf_counter(), 0
+        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm or not added, unit="req")
+        programs = self.engine.runner.programs
+        start, compiled_before, generated = time.perf_counter(), programs.compile_wall_s, 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step(only_finished=True):
                 if out.request_id in added and out.request_id not in finals:
                     finals[out.request_id] = out
                     generated += len(out.outputs[0].token_ids)
                     bar.update(1)
-                    bar.set_postfix(tok_per_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+                    # compiles on first use are reported apart, so the rate is the steady generation rate
+                    compiling = programs.compile_wall_s - compiled_before
+                    generating = max(time.perf_counter() - start - compiling, 1e-9)
+                    bar.set_postfix_str(f"{generated / generating:.1f} tok/s"
+                                        + (f", compiled {compiling:.1f}s" if compiling else ""))
         bar.close()
         results = []
         for ids in groups:

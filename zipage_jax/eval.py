@@ -17,14 +17,12 @@ import json
 import statistics
 import sys
 import time
-import types
-import typing
 import warnings
 from collections import Counter
 from pathlib import Path
 
 from zipage_jax.answers import extract_boxed, is_correct, math_verify_available, reference_answer
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import EngineConfig, add_engine_options
 
 QUESTION_KEYS = ("question", "problem")
 ANSWER_KEYS = ("answer", "solution")
@@ -178,42 +176,6 @@ def summary(report: dict) -> str:
 
 
 # -- command line -----------------------------------------------------------------------------------------------
-def _field_type(hint):
-    """(scalar type, accepts None) of an EngineConfig annotation such as `int`, `str | None`."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(hint))
-    return hint, False
-
-
-def _optional(kind):
-    def convert(text: str):
-        return None if text.lower() == "none" else kind(text)
-
-    convert.__name__ = kind.__name__  # argparse names the type in its error messages
-    return convert
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
-    """One option per EngineConfig field except `model` (bools as --flag/--no-flag); returns the field names."""
-    group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
-    hints = typing.get_type_hints(EngineConfig)
-    names = []
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
-            continue
-        kind, nullable = _field_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
-        text = f"default: {field.default}".replace("%", "%%") + (" ('none' to unset)" if nullable else "")
-        if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            group.add_argument(flag, dest=field.name, type=_optional(kind) if nullable else kind, default=None,
-                               metavar=kind.__name__.upper(), help=text)
-        names.append(field.name)
-    return names
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     from zipage_jax.engine import DEFAULT_MODEL
 

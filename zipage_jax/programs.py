@@ -32,6 +32,7 @@ class Programs:
         self.progress = progress or (lambda done, total, name, seconds: None)  # after each compile
         self._compiled: dict = {}
         self.compile_seconds = 0.0  # summed over programs (they overlap in compile_all)
+        self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -71,7 +72,9 @@ class Programs:
                 self._compiled[program.key] = compiled
                 self.compile_seconds += seconds
                 self.progress(done, len(todo), program.name, seconds)
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+        self.compile_wall_s += wall
+        return wall
 
 
 def _abstract(x):

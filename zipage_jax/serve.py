@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zipage_jax import prometheus
 from zipage_jax.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import add_engine_options
 from zipage_jax.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from zipage_jax.sampling import SamplingParams
 
@@ -36,45 +36,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = str(importlib.resources.files("zipage_jax") / "assets" / "tiny-reasoner")
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json"}
 CLIENT_GONE_STATUS = 499  # nobody reads it; keeps the access log honest
-
-# EngineConfig field -> (type, --help). One line per engine knob; `model` has its own option.
-ENGINE_OPTIONS = {
-    "tokenizer": (str, "tokenizer path; None: the model's"),
-    "dtype": (str, "weights and activations dtype: auto, bfloat16, float16, float32"),
-    "block_size": (int, "tokens per KV page (a power of two in [16, 256])"),
-    "max_model_len": (int, "longest prompt + completion in tokens; None: the model's context"),
-    "max_num_seqs": (int, "most requests in the running batch"),
-    "max_num_batched_tokens": (int, "most tokens scheduled in one step (the chunked-prefill budget)"),
-    "max_num_prefill_seqs": (int, "most prompts prefilled in one step"),
-    "enable_prefix_caching": (bool, "reuse the KV pages of shared prompt prefixes"),
-    "gpu_memory_utilization": (float, "fraction of accelerator memory the engine may use"),
-    "kv_cache_memory_bytes": (int, "KV pool size in bytes (instead of gpu_memory_utilization)"),
-    "num_gpu_blocks_override": (int, "KV pool size in pages (instead of a memory budget)"),
-    "seed": (int, "engine seed, used by requests without a seed of their own"),
-    "tensor_parallel_size": (int, "devices to shard the model across"),
-    "attention_backend": (str, "attention implementation: auto, reference, mosaic or triton"),
-    "compilation_cache_dir": (str, "persistent XLA compilation cache directory"),
-    "compression": (bool, "Compressed PagedAttention: bound each request's KV by evicting tokens inside pages"),
-    "kv_budget_blocks": (int, "KV budget M in pages per request (it holds at most M+1 after compressing)"),
-    "eviction_policy": (str, "which tokens to keep: zipage (attention scores) or window (most recent)"),
-    "window": (int, "recent queries that score tokens; those slots are never evicted"),
-    "sink_tokens": (int, "first tokens never evicted"),
-    "global_score": (bool, "combine scores with their decayed history (score cache)"),
-    "decay": (float, "decay of the score history"),
-    "pooling": (bool, "max-pool scores along slots"),
-    "pooling_width": (int, "max-pooling width (odd)"),
-    "pooling_first_only": (bool, "pool only at a request's first compression"),
-    "redundancy": (str, "key-redundancy penalty: off, lightning (within a page) or full"),
-    "redundancy_weight": (float, "weight of the redundancy penalty (1 - lambda)"),
-    "similarity_threshold": (float, "cosine similarity above which keys count as duplicates"),
-    "redundancy_temperature": (float, "softmax temperature of the redundancy penalty"),
-    "num_query_slots": (int, "query slots C (requests that may reach a compression); None: sized from memory"),
-    "hybrid_admission": (bool, "admit requests without a query slot until they would need one"),
-    "async_compression": (bool, "dispatch compressions without waiting for them"),
-    "max_compression_pages": (int, "most source pages in one compression batch; None: sized from memory"),
-    "metrics_interval_steps": (int, "engine steps between metrics-history samples (0: none)"),
-}
-
 
 # -- streaming text ---------------------------------------------------------------------------------------------
 def stable_text_len(text: str, stops: tuple[str, ...]) -> int:
@@ -338,9 +299,12 @@ CHAT = _Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 # -- the app ----------------------------------------------------------------------------------------------------
 def create_app(engine, *, api_key: str | None = None, max_queued_requests: int = 256,
-               served_model_name: str | None = None) -> FastAPI:
-    """The ASGI app. Its lifespan starts the engine loop thread and, on shutdown, aborts and joins it."""
-    async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests)
+               served_model_name: str | None = None, warmup: bool = False) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine loop thread and, on shutdown, aborts and joins it.
+
+    With ``warmup`` the loop thread first compiles the engine's programs while the server already answers:
+    ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done."""
+    async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup)
     svc = _Service(engine, async_engine, served_model_name or engine.model_name)
 
     @contextlib.asynccontextmanager
@@ -409,6 +373,8 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
     async def health():
         if not async_engine.alive:
             raise APIError(503, "the engine loop is not running", type="service_unavailable")
+        if not async_engine.ready:
+            return JSONResponse({"status": "starting", "detail": async_engine.startup}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -442,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--model", default=DEFAULT_MODEL, help="model directory, HF layout (default: the shipped "
                                                                "tiny-reasoner)")
-    server.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    server.add_argument("--served-model-name", default=None,
+                        help="model id clients send (default: the model directory's name, e.g. tiny-reasoner)")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
@@ -454,22 +421,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests may run on after a shutdown signal before they are "
                              "aborted (default: %(default)s)")
     server.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="compile every shape bucket before accepting requests (default: %(default)s)")
+                        help="compile every shape bucket before serving requests; meanwhile /health answers 503 "
+                             "'starting' (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="(default: %(default)s)")
-    engine = parser.add_argument_group("engine (EngineConfig fields)")
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for name, (kind, help_text) in ENGINE_OPTIONS.items():
-        flag, text = "--" + name.replace("_", "-"), f"{help_text} (default: {defaults[name]})".replace("%", "%%")
-        if kind is bool:
-            engine.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            engine.add_argument(flag, dest=name, type=kind, default=None, help=text)
+    parser.set_defaults(engine_fields=add_engine_options(parser))
     return parser
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in args.engine_fields if getattr(args, name) is not None}
 
 
 def main(argv: list[str] | None = None):
@@ -478,13 +439,12 @@ def main(argv: list[str] | None = None):
     if args.max_queued_requests < 0:
         parser.error("--max-queued-requests must be >= 0")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     from zipage_jax.engine import LLMEngine  # imported late so --help needs no accelerator runtime
 
     engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args))
-    if args.warmup:
-        engine.warmup()
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                     served_model_name=args.served_model_name)
+                     served_model_name=args.served_model_name, warmup=args.warmup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
 
