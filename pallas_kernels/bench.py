@@ -8,7 +8,7 @@ gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels, 
 and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Triton ``paged_attention``
 (decode), the XLA reference and cuDNN over dense copies of the KV.
 
-``--sections compression`` benchmarks one compression of a batch of requests (DESIGN §3) at a model's shapes
+``--sections compression`` benchmarks one compression of a batch of requests (docs/ARCHITECTURE.md, Compression) at a model's shapes
 with random weights and KV: the scoring kernels (window attention, lightning redundancy) against their jnp
 references (one layer), the selection with the sorted and the kernel threshold (one layer), compaction
 variants (one layer), the whole jitted compression step (kernels and jnp) against one decode forward of the
@@ -222,7 +222,7 @@ def bench_prefill(args):
     return rows
 
 
-# ---------------------------------------------------------------- compression (DESIGN §3)
+# ---------------------------------------------------------------- compression (docs/ARCHITECTURE.md, Compression)
 
 def compression_shapes():
     """Model shapes of the compression rows: the engine bench's, plus a CPU-sized one the kernel accepts (D=64)."""

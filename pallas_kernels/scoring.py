@@ -1,4 +1,4 @@
-"""Window-query attention scores of compression (DESIGN §3.4) as a Mosaic GPU (Hopper) kernel.
+"""Window-query attention scores of compression (docs/ARCHITECTURE.md, Compression: scores) as a Mosaic GPU (Hopper) kernel.
 
 One CTA handles one (request, KV head) of one layer. Its W window queries times the G query heads of the
 group are the rows of 64-row wgmma tiles (row ``g * W + w``; rows past ``G * W`` are zero padding). Key

@@ -1,4 +1,4 @@
-"""The selection threshold of compression (DESIGN §3.4) as a Mosaic GPU (Hopper) kernel: no sort.
+"""The selection threshold of compression (docs/ARCHITECTURE.md, Compression) as a Mosaic GPU (Hopper) kernel: no sort.
 
 ``zipage_jax.compression.select_slots`` keeps, per (layer, request, KV head) row, the slots whose integer
 key ranks among the ``keep`` best (smallest), ties to the earlier slot. All it needs is the ``keep``-th best

@@ -1,4 +1,4 @@
-"""Memory sizing (DESIGN §3.6): pool size, query slots C and concurrency from a byte budget, with the peak step
+"""Memory sizing (docs/ARCHITECTURE.md, Compression: concurrency): pool size, query slots C and concurrency from a byte budget, with the peak step
 and compression scratch reserved; the scratch estimates bound what XLA actually allocates."""
 
 import jax

@@ -50,7 +50,7 @@ class EngineConfig:
     redundancy_weight: float = 0.8
     similarity_threshold: float = 0.5
     redundancy_temperature: float = 0.4
-    # Scheduling of compressed requests (DESIGN §3.6-3.7)
+    # Scheduling of compressed requests (docs/ARCHITECTURE.md, Compression: concurrency)
     num_query_slots: int | None = None  # C; None = as many as the memory sizing allows
     hybrid_admission: bool = True
     async_compression: bool = True
