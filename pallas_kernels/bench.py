@@ -8,7 +8,8 @@ gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels, 
 and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Triton ``paged_attention``
 (decode), the XLA reference and cuDNN over dense copies of the KV.
 
-``--sections compression`` benchmarks one compression of a batch of requests (docs/ARCHITECTURE.md, Compression) at a model's shapes
+``--sections compression`` benchmarks one compression of a batch of requests (docs/ARCHITECTURE.md,
+Compression) at a model's shapes
 with random weights and KV: the scoring kernels (window attention, lightning redundancy) against their jnp
 references (one layer), the selection with the sorted and the kernel threshold (one layer), compaction
 variants (one layer), the whole jitted compression step (kernels and jnp) against one decode forward of the

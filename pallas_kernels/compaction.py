@@ -1,4 +1,5 @@
-"""In-place stable compaction of kept KV slots (docs/ARCHITECTURE.md, Compression: trigger and pages) as a Mosaic GPU (Hopper) kernel.
+"""In-place stable compaction of kept KV slots as a Mosaic GPU (Hopper) kernel (docs/ARCHITECTURE.md,
+Compression: trigger and pages).
 
 The kernel does what ``scatter_slots(pool, layer, gather_slots(pool, layer, kept, src), dst, valid)`` does
 (``zipage_jax.compression.compaction``) for the K and the V pool at once, but writes into the pools

@@ -1,4 +1,5 @@
-"""Lightning (within-page) key redundancy of compression (docs/ARCHITECTURE.md, Compression: scores) as a Mosaic GPU (Hopper) kernel.
+"""Lightning (within-page) key redundancy of compression as a Mosaic GPU (Hopper) kernel (docs/ARCHITECTURE.md,
+Compression: scores).
 
 One CTA handles one block of ``R = max(S, 64)`` slots (one page, or ``64 / S`` whole pages) of one (request,
 KV head) of one layer, fetched by TMA straight from the pool pages named in the page table: a CTA per block

@@ -1,4 +1,5 @@
-"""Window-query attention scores of compression (docs/ARCHITECTURE.md, Compression: scores) as a Mosaic GPU (Hopper) kernel.
+"""Window-query attention scores of compression as a Mosaic GPU (Hopper) kernel (docs/ARCHITECTURE.md,
+Compression: scores).
 
 One CTA handles one (request, KV head) of one layer. Its W window queries times the G query heads of the
 group are the rows of 64-row wgmma tiles (row ``g * W + w``; rows past ``G * W`` are zero padding). Key

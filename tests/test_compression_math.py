@@ -1,4 +1,5 @@
-"""Compressed PagedAttention device math against a dense numpy implementation written from the scoring rules in docs/ARCHITECTURE.md.
+"""Compressed PagedAttention device math against a dense numpy implementation written from the scoring rules
+in docs/ARCHITECTURE.md.
 
 The oracle works per request, layer and KV head on plain arrays (loops, float64); the device code works on
 the paged pools. Fresh random inputs every run.
@@ -18,7 +19,7 @@ LAYERS, PAGE, DIM, WINDOW, BUDGET = 2, 8, 16, 4, 3  # S = 8 slots per page, W = 
 SCALE = DIM ** -0.5
 
 
-# ---------------------------------------------------------------- numpy oracle (docs/ARCHITECTURE.md, Compression: scores)
+# ------------------------------------------------ numpy oracle (docs/ARCHITECTURE.md, Compression: scores)
 
 def np_softmax(x):
     e = np.exp(x - x.max())

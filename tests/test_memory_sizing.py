@@ -1,5 +1,6 @@
-"""Memory sizing (docs/ARCHITECTURE.md, Compression: concurrency): pool size, query slots C and concurrency from a byte budget, with the peak step
-and compression scratch reserved; the scratch estimates bound what XLA actually allocates."""
+"""Memory sizing (docs/ARCHITECTURE.md, Compression: concurrency): pool size, query slots C and concurrency from a
+byte budget, with the peak step and compression scratch reserved; the scratch estimates bound what XLA actually
+allocates."""
 
 import jax
 import jax.numpy as jnp

@@ -82,7 +82,8 @@ def fused_compression(backend, config) -> bool:
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str = "reference",
                 fused_compression: bool = False) -> dict:
-    """Pool size, query slots ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression: concurrency).
+    """Pool size, query slots ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression:
+    concurrency).
 
     With the budget taken from the device, the peak scratch of the largest step and of the largest compression
     batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.

@@ -5,8 +5,8 @@ most recently admitted running request not yet scheduled this step is preempted:
 and recomputed later from its known tokens (exact), a compressed one (which cannot be recomputed) is swapped
 out to host memory and back. No request is admitted in a step that preempted.
 
-Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs another is compressed
-first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the end of
+Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs
+another is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the end of
 the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with
 the request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots;

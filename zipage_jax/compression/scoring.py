@@ -1,4 +1,5 @@
-"""Per-slot eviction scores of Compressed PagedAttention (docs/ARCHITECTURE.md, Compression: scores) for one layer of a batch of requests.
+"""Per-slot eviction scores of Compressed PagedAttention for one layer of a batch of requests
+(docs/ARCHITECTURE.md, Compression: scores).
 
 Every function but ``paged_window_attention`` (which reads the pool pages, like the backends' fused kernel)
 works on a layer's already-gathered request data: keys ``[B, Hkv, N, D]`` over ``N = P * S``
