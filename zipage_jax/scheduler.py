@@ -6,8 +6,8 @@ and recomputed later from its known tokens (exact), a compressed one (which cann
 out to host memory and back. No request is admitted in a step that preempted.
 
 Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs
-another is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the end of
-the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
+another is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression
+point is the end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with
 the request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots;
 so a request must hold a slot before it computes any of the last ``W`` tokens before its first compression
