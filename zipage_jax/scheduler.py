@@ -5,17 +5,17 @@ most recently admitted running request not yet scheduled this step is preempted:
 and recomputed later from its known tokens (exact), a compressed one (which cannot be recomputed) is swapped
 out to host memory and back. No request is admitted in a step that preempted.
 
-Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs
-another is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression
-point is the end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
-recomputation and chunking never move it; after it, a request is due again every page. Compression scores with
-the request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots;
-so a request must hold a slot before it computes any of the last ``W`` tokens before its first compression
-point, and keeps it until it ends. With hybrid admission, a request without a slot runs until then and stalls
-there until a slot frees (front-most first); a prefill chunk is cut short at that point instead. Without it
-(constrained admission) a request gets its slot on admission or waits. A slot is granted only while the
-``M+1`` steady-state pages of all holders fit in the pool (per-request budgets). The prefix cache never serves
-the pages of that window (their queries must be computed).
+Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs another
+is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the
+end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
+recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
+request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots; so a
+request must hold a slot before it computes any of the last ``W`` tokens before its first compression point, and
+keeps it until it ends. With hybrid admission, a request without a slot runs until then and stalls there until a
+slot frees (front-most first); a prefill chunk is cut short at that point instead. Without it (constrained
+admission) a request gets its slot on admission or waits. A slot is granted only while the ``M+1`` steady-state
+pages of all holders fit in the pool (per-request budgets). The prefix cache never serves the pages of that window
+(their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
 rest stall a step). Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
