@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params
+from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
 
@@ -160,8 +160,6 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
 
 
 def test_compressed_mixed_workload_compiles_nothing_after_warmup():
-    from test_engine import mixed_workload
-
     llm = make_llm(compression=True, kv_budget_blocks=2)
     llm.warmup(use_tqdm=False)
     before = llm.metrics()["num_compiles"]

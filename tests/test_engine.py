@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params
+from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
 
@@ -170,21 +170,6 @@ def test_abort_frees_pages(llm):
 
 # docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, and 5 prefill token counts (128 ... 2048)
 DEFAULT_CONFIG_PROGRAMS = 17
-
-
-def mixed_workload(rng, vocab, count, max_len):
-    """Prompts of many lengths (two sharing a prefix) and every sampling feature but the penalties."""
-    prompts = [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(1, max_len, size=count)]
-    prompts[1] = prompts[0] + prompts[1]
-    params = []
-    for i, max_tokens in enumerate(rng.integers(2, 24, size=count)):
-        if i % 3 == 0:
-            params.append(SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True))
-        else:
-            params.append(SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 5][i % 2], min_p=[0.0, 0.05][i % 4 == 1],
-                                         seed=i, n=1 + i % 2, min_tokens=2, stop_token_ids=[7], logprobs=True,
-                                         max_tokens=int(max_tokens)))
-    return prompts, params
 
 
 def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_nothing():
