@@ -23,6 +23,7 @@ from flax import struct
 # Below this a temperature is indistinguishable from argmax and only risks overflow (vLLM uses the same).
 GREEDY_TEMPERATURE = 1e-5
 _PENALTY_RANGE = (-2.0, 2.0)
+BAN_WIDTH = 8  # banned ids a row holds (EOS and stop ids below min_tokens): one shape for the usual case
 
 
 def _real(name: str, value, lo: float | None = None, hi: float | None = None,
@@ -264,9 +265,6 @@ class SamplingTensors:
         for i, ban in bans.items():
             t.banned_token_ids[i, :len(ban)] = ban
         return t.replace(penalized=penalized, sampled=not all(p.greedy for p in params))
-
-
-BAN_WIDTH = 8
 
 
 @functools.lru_cache(maxsize=4096)
