@@ -298,7 +298,8 @@ class ModelRunner:
 
     def compress(self, compressions, wait: bool = False):
         """Dispatch the compaction of the due requests, grouped by budget M and padded source width, in
-        dispatches of at most ``max_compression_pages`` padded pages (the scratch reserved at start-up).
+        dispatches of at most ``max_compression_pages`` padded pages (the scratch reserved at start-up); the
+        steady-state width ``M+1`` batches rows in powers of four, wider (first) compressions go one by one.
         ``wait``: block until done (synchronous mode) and time it."""
         groups = {}
         for c in compressions:
@@ -306,7 +307,8 @@ class ModelRunner:
             width = pick_bucket(self.compression_widths(budget), len(c.src_pages))
             groups.setdefault((budget, width), []).append(c)
         for (budget, width), group in groups.items():
-            most = self.compression_rows(width)
+            # wider first compressions (long prompts) are rare: one row a dispatch, one program per width
+            most = self.compression_rows(width) if width == budget + 1 else 1
             for start in range(0, len(group), most):
                 part = group[start:start + most]
                 rows = pick_bucket(bucket_sizes(1, most, 4), len(part))
