@@ -317,12 +317,7 @@ class LLMEngine:
 
         ``progress(done, total, name, seconds)`` is called as each program finishes compiling (default: log it).
         Returns the number of programs and the wall seconds compiling them took."""
-        programs = self.runner.programs
-        programs.progress, default = progress or programs.progress, programs.progress
-        try:
-            report = self.runner.warmup()
-        finally:
-            programs.progress = default
+        report = self.runner.warmup(progress)
         log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
         return report
 

@@ -51,8 +51,10 @@ class Programs:
             compiled = self._compiled[program.key]
         return compiled(*args)
 
-    def compile_all(self, programs: list[Program], workers: int | None = None):
-        """Compile the programs not compiled yet, in parallel; returns the wall seconds it took."""
+    def compile_all(self, programs: list[Program], workers: int | None = None, progress=None):
+        """Compile the programs not compiled yet, in parallel, calling ``progress`` (default: the one given at
+        construction) after each; returns the wall seconds it took."""
+        progress = progress or self.progress
         todo = list({p.key: p for p in programs if p.key not in self._compiled}.values())
         if not todo:
             return 0.0
@@ -71,7 +73,7 @@ class Programs:
                 program, compiled, seconds = future.result()
                 self._compiled[program.key] = compiled
                 self.compile_seconds += seconds
-                self.progress(done, len(todo), program.name, seconds)
+                progress(done, len(todo), program.name, seconds)
         wall = time.perf_counter() - start
         self.compile_wall_s += wall
         return wall

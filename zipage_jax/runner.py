@@ -456,7 +456,7 @@ class ModelRunner:
             shapes.extend((budget, width, rows) for rows in sizes)
         return shapes
 
-    def warmup(self) -> dict:
+    def warmup(self, progress=None) -> dict:
         """Compile every warm-up program, in parallel; returns their number and the wall seconds it took."""
         programs = self.warmup_programs()
-        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs))
+        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs, progress=progress))

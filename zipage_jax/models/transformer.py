@@ -39,24 +39,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+def _heads(q, k, v, q_norm, k_norm, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
+    """Projections [..., Hq*D] / [..., Hkv*D] -> post-RoPE q [..., Hq, D], k/v [..., Hkv, D] (Qwen3's q/k norms)."""
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _gated(gate: jax.Array, up: jax.Array, down_proj: jax.Array) -> jax.Array:
+    return (jax.nn.silu(gate) * up) @ down_proj
+
+
 def _qkv(layer: LayerParams, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array):
     """Post-RoPE q [..., Hq, D], k/v [..., Hkv, D] for normed hidden states h [..., Hd]."""
     q, k, v = h @ layer.q_proj, h @ layer.k_proj, h @ layer.v_proj
     if layer.q_bias is not None:
         q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-    lead = h.shape[:-1]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return _heads(q, k, v, layer.q_norm, layer.k_norm, cfg, cos, sin)
 
 
 def _mlp(layer: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-    return (jax.nn.silu(h @ layer.gate_proj) * (h @ layer.up_proj)) @ layer.down_proj
+    return _gated(h @ layer.gate_proj, h @ layer.up_proj, layer.down_proj)
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -117,19 +126,13 @@ def _fused_qkv(layer: ServingLayer, cfg: ModelConfig, shards: int, h: jax.Array,
     if layer.qkv_bias is not None:
         qkv = qkv + layer.qkv_bias
     q, k, v = unfuse_columns(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
-    q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return _heads(q, k, v, layer.q_norm, layer.k_norm, cfg, cos, sin)
 
 
 def _fused_mlp(layer: ServingLayer, cfg: ModelConfig, shards: int, x: jax.Array) -> jax.Array:
     h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
     gate, up = unfuse_columns(h @ layer.gate_up_proj, (cfg.intermediate_size,) * 2, shards)
-    return (jax.nn.silu(gate) * up) @ layer.down_proj
+    return _gated(gate, up, layer.down_proj)
 
 
 def forward_paged(
