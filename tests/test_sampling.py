@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipage_jax.sampling import BAN_WIDTH, SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
+from zipage_jax.sampling import BAN_WIDTH, MIN_HISTORY_WIDTH, SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
     apply_penalties, sample
 
 sample_jit = jax.jit(sample)
@@ -117,7 +117,9 @@ def test_from_rows_shapes_and_padding():
     penal = rows_for([SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.5)],
                      rng, 50, prompt_len=6, out_len=3)
     t = SamplingTensors.from_rows(penal, 50, eos_token_ids=[2])
-    assert t.history.shape == (2, 16)  # 6 + 3 = 9 -> 16
+    assert t.history.shape == (2, MIN_HISTORY_WIDTH)  # 6 + 3 = 9: short histories share one width
+    long = rows_for([SamplingParams(repetition_penalty=1.3)], rng, 50, prompt_len=MIN_HISTORY_WIDTH, out_len=3)
+    assert SamplingTensors.from_rows(long, 50, eos_token_ids=[2]).history.shape == (1, 2 * MIN_HISTORY_WIDTH)
     many = [SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=list(range(10, 10 + BAN_WIDTH))), [1], [], 0, 0)]
     assert SamplingTensors.from_rows(many, 50, eos_token_ids=[2]).banned_token_ids.shape == (1, 2 * BAN_WIDTH)
     assert t.history_is_output[0].sum() == 3 and t.history_is_output[1].sum() == 3

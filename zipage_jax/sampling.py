@@ -24,6 +24,7 @@ from flax import struct
 GREEDY_TEMPERATURE = 1e-5
 _PENALTY_RANGE = (-2.0, 2.0)
 BAN_WIDTH = 8  # banned ids a row holds (EOS and stop ids below min_tokens): one shape for the usual case
+MIN_HISTORY_WIDTH = 256  # penalized rows' history: one shape for short histories instead of one per doubling
 
 
 def _real(name: str, value, lo: float | None = None, hi: float | None = None,
@@ -205,8 +206,8 @@ class SamplingTensors:
         """Build the numpy arrays for `rows`, padded to `batch_size` rows (padding rows are greedy).
 
         W (history width) is the next power of two >= the longest history any penalized row needs
-        (prompt + output with a repetition penalty, output only otherwise), or 1 when no row is
-        penalized; `history_width` pins it instead. E is `BAN_WIDTH`, or the next power of two >= the most
+        (prompt + output with a repetition penalty, output only otherwise), at least `MIN_HISTORY_WIDTH`, or 1
+        when no row is penalized; `history_width` pins it instead. E is `BAN_WIDTH`, or the next power of two >= the most
         ids a row bans when that is more. Fixed and power-of-two widths keep the distinct shapes (compiled
         programs) few. The per-row work is a few numpy conversions, not Python per field: this runs every step.
         """
@@ -238,7 +239,7 @@ class SamplingTensors:
         histories = {i: (list(rows[i].prompt_token_ids) if params[i].repetition_penalty != 1.0 else [],
                          list(rows[i].output_token_ids)) for i in range(n) if params[i].uses_penalties}
         longest = max((len(a) + len(o) for a, o in histories.values()), default=0)
-        w = _next_pow2(longest) if penalized else 1
+        w = max(MIN_HISTORY_WIDTH, _next_pow2(longest)) if penalized else 1
         if history_width is not None:
             w = _int("history_width", history_width, lo=1)
             if w < longest:
