@@ -16,12 +16,9 @@ from pallas_kernels.compaction import compact_slots
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
 from test_scoring_kernel import random_problem as scoring_problem  # tests/ is on sys.path under pytest
+from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
-
-
-def fresh_seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
 
 
 def random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype=jnp.bfloat16, layers=3, num_kv_heads=2,
@@ -190,7 +187,7 @@ def test_compress_through_the_kernel_equals_compress():
 @pytest.mark.parametrize("bad", ["k_pool", "v_pool", "kept", "src_tables", "dst_tables", "valid", "block_rows",
                                  "stages", "max_run"])
 def test_compaction_rejects_bad_input(bad):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, v_pool, kept, src, dst, valid = random_problem(rng, [("inplace", "random")] * 2, 16, 64, 2, 3)
     block_rows, stages, max_run = None, 2, 8
     if bad == "k_pool":

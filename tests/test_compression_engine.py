@@ -9,6 +9,7 @@ import pytest
 from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
+from seeds import fresh_seed, seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # GQA 8 q / 2 kv heads
 PAGE = 16
@@ -57,7 +58,7 @@ def masked_greedy_predictions(llm, prompt, output, budget, sinks):
 @pytest.mark.parametrize("prompt_len,sinks", [(9, 0), (70, 4)])
 def test_window_policy_equals_masked_dense_attention(prompt_len, sinks):
     """Eviction, compaction, recent-page refill and RoPE positions checked against a dense masked forward."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     budget = 3
     llm = make_llm(compression=True, kv_budget_blocks=budget, eviction_policy="window", sink_tokens=sinks)
     prompt = random_prompt(rng, prompt_len)
@@ -70,7 +71,7 @@ def test_window_policy_equals_masked_dense_attention(prompt_len, sinks):
 
 
 def test_budget_above_length_equals_full_kv():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(5, 40, size=4)]
     full = make_llm().generate(prompts, GREEDY, use_tqdm=False)
     compressed_llm = make_llm(compression=True, kv_budget_blocks=8)  # 8 pages = 128 tokens > 40 + 70
@@ -86,7 +87,7 @@ def test_budget_above_length_equals_full_kv():
 ])
 def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     """Every step: compressed requests hold <= M+1 pages, page accounting is exact, shared pages are untouched."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     budget = 2
     llm = make_llm(compression=True, kv_budget_blocks=budget, **knobs)
     engine = llm.engine
@@ -118,7 +119,7 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
 
 
 def test_per_request_budget_and_invalid_knobs():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     llm = make_llm(compression=True, kv_budget_blocks=4)
     tight = dataclasses.replace(GREEDY, kv_budget_blocks=2)
     outs = llm.generate([random_prompt(rng, 10)] * 2, [GREEDY, tight], use_tqdm=False)
@@ -141,7 +142,7 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
     """Under memory pressure: the small-budget requests take both query slots first, the large-budget front
     request (still without one) runs out of pages and the compressed tail is swapped out and back. Every
     request decodes what it decodes alone with the same budget, in asynchronous and synchronous mode alike."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(2, 6, size=3)]
     params = [dataclasses.replace(GREEDY, kv_budget_blocks=b) for b in (3, 1, 1)]
     alone_llm = make_llm(compression=True, kv_budget_blocks=1, window=4)
@@ -163,7 +164,7 @@ def test_compressed_mixed_workload_compiles_nothing_after_warmup():
     llm = make_llm(compression=True, kv_budget_blocks=2)
     llm.warmup(use_tqdm=False)
     before = llm.metrics()["num_compiles"]
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     prompts, params = mixed_workload(np.random.default_rng(seed), 250, 8, 120)
     params = [dataclasses.replace(p, max_tokens=60 + p.max_tokens) for p in params]  # several compressions each
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.reference import paged_decode_ref
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
+from seeds import seeded_rng
 
 LAYERS, PAGE, DIM, WINDOW, BUDGET = 2, 8, 16, 4, 3  # S = 8 slots per page, W = 4, M = 3 kept pages
 SCALE = DIM ** -0.5
@@ -202,7 +203,7 @@ SCORING_CASES = [
 
 @pytest.mark.parametrize("cfg,group,rows,padding", SCORING_CASES)
 def test_slot_scores_match_dense_numpy(cfg, group, rows, padding):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, _, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=group, rows=rows, padding=padding)
     got = device_scores(k_pool, score_cache, query_cache, plan, cfg)
     want, _ = oracle_scores(k_pool, score_cache, query_cache, plan, cfg)
@@ -212,7 +213,7 @@ def test_slot_scores_match_dense_numpy(cfg, group, rows, padding):
 
 def test_history_and_pooling_knobs_change_the_scores():
     """Guards the oracle comparison above against knobs that silently do nothing."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, _, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=4, rows=4, padding=0)
     plan["compressed_before"][:] = [True, True, False, False]
     plan["num_src_pages"][:] = BUDGET + 1
@@ -233,7 +234,7 @@ def test_history_and_pooling_knobs_change_the_scores():
 
 
 def test_select_slots_matches_numpy_top_k():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     batch, hkv, n, keep = 3, 4, 40, 24
     scores = rng.standard_normal((batch, LAYERS, hkv, n)).astype(np.float32)
     scores[..., ::5] = np.round(scores[..., ::5])  # ties
@@ -255,7 +256,7 @@ def test_select_slots_matches_numpy_top_k():
 @pytest.mark.parametrize("keep", [1, 7, 39, 40])
 def test_select_slots_breaks_ties_by_slot(keep):
     """Plateaus of equal scores (signed zeros count as equal) and -inf padding: the earlier slot always wins."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     values = np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, np.inf], np.float32)
     scores = rng.choice(values, size=(5, 40)).astype(np.float32)
     got = np.asarray(select_slots(jnp.asarray(scores), keep))
@@ -280,7 +281,7 @@ COMPRESS_CASES = [
 
 @pytest.mark.parametrize("cfg,group", COMPRESS_CASES)
 def test_compress_end_to_end(cfg, group):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     hkv = 2
     k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=hkv, group=group, rows=3, padding=1)
     scores = device_scores(k_pool, score_cache, query_cache, plan, cfg)
@@ -324,7 +325,7 @@ def test_compress_end_to_end(cfg, group):
 @pytest.mark.parametrize("group", [4, 1])
 def test_consecutive_compressions_carry_the_kept_history(group):
     """Rounds of compress → fresh page of K/V and queries → compress, tracked independently in numpy."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     hkv, hq, rounds = 2, 2 * group, 4
     cfg = ScoringConfig(window=WINDOW, sink_tokens=1, redundancy="lightning")
     k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=hkv, group=group, rows=2, padding=1)
@@ -387,7 +388,7 @@ def test_consecutive_compressions_carry_the_kept_history(group):
 
 
 def test_compress_rejects_bad_shapes():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=2, rows=1, padding=0)
     args = (jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache))
     with pytest.raises(ValueError, match="query_cache"):

@@ -6,6 +6,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from zipage_jax.detokenizer import IncrementalDetokenizer
+from seeds import seeded_rng
 
 CORPUS = ["naïve café — déjà vu ✓ 東京 and plain ascii words", "multi-byte: ∑ ∫ π ≈ 3.14159, emoji 🙂 🚀",
           "hello world, the quick brown fox jumps over the lazy dog"] * 20
@@ -22,7 +23,7 @@ def byte_level_tokenizer():
 
 
 def test_one_by_one_and_batched_equal_full_decode(byte_level_tokenizer):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     text = " ".join(rng.choice(" ".join(CORPUS).split(), size=40))
     prompt = byte_level_tokenizer.encode("déjà vu: ")
     output = byte_level_tokenizer.encode(text)

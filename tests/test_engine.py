@@ -9,6 +9,7 @@ import pytest
 from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
+from seeds import fresh_seed, seeded_rng
 
 FIXTURES = "tests/fixtures/hf"
 NEAR_TIE = 1e-4
@@ -63,7 +64,7 @@ def test_greedy_matches_hf(name):
 
 
 def test_greedy_matches_dense_oracle(llm):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = random_prompts(rng, 3)
     outs = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     for prompt, got in zip(prompts, outs):
@@ -72,7 +73,7 @@ def test_greedy_matches_dense_oracle(llm):
 
 
 def test_batch_invariance_alone_batched_chunked_and_prefix_hit():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prefix = rng.integers(3, 250, size=37).tolist()
     prompts = [prefix + p for p in random_prompts(rng, 31, lo=1, hi=30)] + [prefix]
     llm = make_llm()
@@ -87,7 +88,7 @@ def test_batch_invariance_alone_batched_chunked_and_prefix_hit():
 
 
 def test_seeded_sampling_is_reproducible_across_batches(llm):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = random_prompts(rng, 6)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     alone = token_ids(llm.generate([prompts[2]], params, use_tqdm=False))[0]
@@ -99,7 +100,7 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
 
 
 def test_preemption_by_recompute_is_lossless():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = random_prompts(rng, 8, lo=20, hi=40)
     params = dataclasses.replace(GREEDY, max_tokens=30)
     roomy = token_ids(make_llm().generate(prompts, params, use_tqdm=False))
@@ -109,7 +110,7 @@ def test_preemption_by_recompute_is_lossless():
 
 
 def test_stops_max_tokens_and_logprobs(llm):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompt = random_prompts(rng, 1)[0]
     free = llm.generate([prompt], dataclasses.replace(GREEDY, logprobs=True), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == GREEDY.max_tokens
@@ -126,7 +127,7 @@ def test_stops_max_tokens_and_logprobs(llm):
 
 
 def test_bad_inputs_raise_and_engine_keeps_serving(llm):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     engine = llm.engine
     engine.add_request("keep", random_prompts(rng, 1)[0], GREEDY)
     with pytest.raises(ValueError, match="prompt"):
@@ -152,7 +153,7 @@ def test_bad_inputs_raise_and_engine_keeps_serving(llm):
 
 
 def test_abort_frees_pages(llm):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     engine = llm.engine
     for i, p in enumerate(random_prompts(rng, 4)):
         engine.add_request(f"abort-{i}", p, dataclasses.replace(GREEDY, max_tokens=100))
@@ -178,7 +179,7 @@ def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_noth
     report = llm.warmup(use_tqdm=False)
     assert report["programs"] == DEFAULT_CONFIG_PROGRAMS
     assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     prompts, params = mixed_workload(np.random.default_rng(seed), llm.engine.model_cfg.vocab_size, 8, 200)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs), seed

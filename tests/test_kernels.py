@@ -15,6 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import query_tiles, ragged_prefill
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
+from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
 
@@ -54,7 +55,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_stages,num_splits,kv_lens", DECODE_CASES)
 def test_paged_decode_matches_reference(group, head_dim, page_size, block_kv, num_stages, num_splits, kv_lens):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     num_kv_heads, layer = 2, 1
     pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1  # one spare null entry per row
@@ -73,7 +74,7 @@ def test_paged_decode_matches_reference(group, head_dim, page_size, block_kv, nu
 
 
 def test_merge_splits_equals_softmax_over_all_slots():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     scores = rng.standard_normal((2, 3, 12)).astype(np.float32)  # [rows, heads, slots] in log2 units
     values = rng.standard_normal((2, 3, 12, 5)).astype(np.float32)
     weights = np.exp2(scores - scores.max(-1, keepdims=True))
@@ -92,7 +93,7 @@ def test_merge_splits_equals_softmax_over_all_slots():
 
 @pytest.mark.parametrize("bad", ["head_dim", "group", "kv_lens", "block_kv"])
 def test_paged_decode_rejects_bad_input(bad):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, v_pool = random_pool(rng, 1, 4, 2, 16, 64)
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     lens = jnp.asarray([3, 5], jnp.int32)
@@ -120,7 +121,7 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("group,head_dim,page_size,q_lens,kv_lens,padding", PREFILL_CASES)
 def test_ragged_prefill_matches_reference(group, head_dim, page_size, q_lens, kv_lens, padding):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     num_kv_heads, layer = 1, 0
     pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
@@ -153,7 +154,7 @@ def test_query_tiles_cover_every_row_once_from_aligned_starts():
 
 @pytest.mark.parametrize("bad", ["cu_q_lens", "page_tables", "head dim"])
 def test_ragged_prefill_rejects_bad_input(bad):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, v_pool = random_pool(rng, 1, 4, 1, 16, 64)
     q = jnp.zeros((8, 2, 64), jnp.bfloat16)
     cu, lens, tables = jnp.asarray([0, 3, 8], jnp.int32), jnp.asarray([3, 5], jnp.int32), jnp.ones((2, 2), jnp.int32)

@@ -11,6 +11,7 @@ from zipage_jax import LLM, kv_cache, packing
 from zipage_jax.compression import CompressionPlan
 from zipage_jax.config import EngineConfig
 from zipage_jax.models.config import ModelConfig
+from seeds import seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"
 CFG = ModelConfig.from_pretrained(MODEL)
@@ -33,7 +34,7 @@ def shapes_bytes(m, c, itemsize):
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_slots=3)])
 def test_pool_and_query_slots_from_a_byte_budget(kwargs):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     c = config(kv_cache_memory_bytes=int(rng.integers(320_000, 700_000)), **kwargs)
     plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
     page, slot = shapes_bytes(CFG, c, 4)

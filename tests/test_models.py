@@ -13,6 +13,7 @@ from zipage_jax.attention import ReferenceBackend
 from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
 from zipage_jax.models.params import fuse_columns, unfuse_columns
 from zipage_jax.weights import load_hf_weights
+from seeds import fresh_seed, seeded_rng
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHECKPOINTS = ["llama", "llama3_rope", "qwen2", "qwen3", "qwen3_untied"]
@@ -78,7 +79,7 @@ def _pages_for(rng, counts, num_pages):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_untied"])
 def test_forward_paged_chunked_prefill_then_decode_equals_dense(name):
     cfg, params, expected = load(name)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     page_size, width = 4, 4
     seqs = [expected["input_ids"][0, :16], expected["input_ids"][1, :13]]
     num_pages = 12
@@ -227,7 +228,7 @@ def test_forward_dense_is_differentiable():
     # (where the derivative is its norm) and a random one; errors measured against the gradient norm, since f32
     # finite differences along a near-orthogonal random direction carry an absolute, not relative, error.
     grad_norm = float(jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads))))
-    keys = iter(jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 64))
+    keys = iter(jax.random.split(jax.random.key(seeded_rng().integers(1 << 30)), 64))
     random_dir = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), params)
     for direction in (grads, random_dir):
         norm = jnp.sqrt(sum(jnp.vdot(d, d) for d in jax.tree.leaves(direction)))
@@ -250,7 +251,7 @@ def test_forward_dense_bf16_params_stays_close_to_hf():
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
 def test_fused_columns_give_each_shard_its_own_parts(shards):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     parts = [rng.standard_normal((3, shards * w)).astype(np.float32) for w in (4, 2, 2)]
     fused = np.asarray(fuse_columns([jnp.asarray(p) for p in parts], shards))

@@ -5,10 +5,11 @@ import jax
 import numpy as np
 
 from zipage_jax import packing
+from seeds import fresh_seed
 
 
 def test_round_trip_and_alignment():
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     tree = {
         "ints": rng.integers(-2**31, 2**31, size=(int(rng.integers(0, 9)), 3), dtype=np.int32),

@@ -19,6 +19,7 @@ from pallas_kernels.reference import gather_request_kv
 from test_scoring_kernel import shuffled_page_tables  # tests/ is on sys.path under pytest
 from zipage_jax.compression import ScoringConfig
 from zipage_jax.compression.scoring import paged_redundancy_scores, redundancy_row_sums, redundancy_scores
+from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
 
@@ -65,7 +66,7 @@ CASES = [
 
 
 def check_against_jnp(page_size, head_dim, num_pages, table_pages, near, interpret):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     k_pool, tables, pages = random_problem(rng, num_pages, table_pages, page_size, head_dim)
     threshold = safe_threshold(k_pool[1].astype(jnp.float32), page_size, near)
@@ -100,7 +101,7 @@ def test_compiled_lightning_row_sums_match_jnp(page_size, head_dim, num_pages, t
 
 def test_paged_redundancy_uses_the_backend_kernel_only_for_lightning():
     """R through a backend with the kernel equals R from gathered keys; "full" never calls the kernel."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     page_size = 64
     k_pool, tables, pages = random_problem(rng, [2, 3], 3, page_size, 64)
@@ -123,7 +124,7 @@ def test_paged_redundancy_uses_the_backend_kernel_only_for_lightning():
 
 @pytest.mark.parametrize("bad", ["head dim", "page size", "num_pages", "dtype"])
 def test_lightning_row_sums_rejects_bad_input(bad):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, tables, pages = random_problem(rng, [1, 2], 2, 64, 64)
     if bad == "head dim":
         k_pool = k_pool[..., :32]

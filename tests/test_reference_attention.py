@@ -6,6 +6,7 @@ import pytest
 import jax.numpy as jnp
 
 from pallas_kernels import reference
+from seeds import seeded_rng
 
 
 def naive_attention(q, keys, values, scale):
@@ -36,7 +37,7 @@ def request_kv(pool, layer, table, length):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
 def test_paged_decode_ref_matches_naive(hq, hkv):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     layers, pages, page_size, dim = 2, 12, 4, 8
     k_pool, v_pool = random_pool(rng, layers, pages, hkv, page_size, dim)
     kv_lens = np.array([5, 0, 9, 4], np.int32)  # a padding row and lengths off the page grid
@@ -49,7 +50,7 @@ def test_paged_decode_ref_matches_naive(hq, hkv):
 
 
 def test_ragged_prefill_ref_matches_naive():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     layers, pages, hkv, hq, page_size, dim = 2, 16, 2, 4, 4, 8
     k_pool, v_pool = random_pool(rng, layers, pages, hkv, page_size, dim)
     q_lens = np.array([3, 5, 1, 0])
@@ -70,7 +71,7 @@ def test_ragged_prefill_ref_matches_naive():
 
 
 def test_write_kv_ref_writes_exact_slots():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, v_pool = random_pool(rng, 2, 6, 2, 4, 8)
     slots = np.array([5, 6, 13, 22], np.int32)
     k = rng.standard_normal((4, 2, 8)).astype(np.float32)

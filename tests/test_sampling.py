@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from zipage_jax.sampling import BAN_WIDTH, MIN_HISTORY_WIDTH, SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
     apply_penalties, sample
+from seeds import seeded_rng
 
 sample_jit = jax.jit(sample)
 penalties_jit = jax.jit(apply_penalties)
@@ -109,7 +110,7 @@ def test_params_normalization():
 # ---------------------------------------------------------------- host builder
 
 def test_from_rows_shapes_and_padding():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     plain = rows_for([SamplingParams(temperature=0.7, top_p=0.9)] * 3, rng, 50)
     t = SamplingTensors.from_rows(plain, 50, eos_token_ids=2, batch_size=8)
     assert t.history.shape == (8, 1) and t.banned_token_ids.shape == (8, BAN_WIDTH)  # one shape: no recompiles
@@ -139,7 +140,7 @@ def test_greedy_rows_drop_filters():
 # ---------------------------------------------------------------- device math
 
 def test_greedy_is_argmax_and_top_k_1_is_greedy():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     b, v = 6, 97
     logits = rng.standard_normal((b, v)).astype(np.float32) * 3
     greedy = SamplingTensors.from_rows(rows_for([SamplingParams(temperature=0)] * b, rng, v, out_len=0), v, [0])
@@ -152,7 +153,7 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
 
 
 def test_logprobs_equal_raw_log_softmax():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     b, v = 5, 64
     logits = rng.standard_normal((8, v)).astype(np.float32) * 4
     params = [SamplingParams(temperature=0.5, repetition_penalty=1.5, presence_penalty=1.0), SamplingParams(),
@@ -166,7 +167,7 @@ def test_logprobs_equal_raw_log_softmax():
 
 
 def test_penalties_match_numpy():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     b, v = 6, 40
     logits = rng.standard_normal((b, v)).astype(np.float32) * 2
     params = [SamplingParams(repetition_penalty=float(rng.uniform(0.5, 2.0)),
@@ -225,7 +226,7 @@ def unambiguous_logits(rng, v, params, scale):
     SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95),
 ])
 def test_sampled_frequencies_match_softmax(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     v, n = 12, 20000
     x = unambiguous_logits(rng, v, params, scale=1.5)
     allowed = np_allowed(x, params)
@@ -247,7 +248,7 @@ def test_sampled_frequencies_match_softmax(params):
     SamplingParams(min_p=0.2), SamplingParams(top_k=20, top_p=0.9, min_p=0.02, temperature=0.6),
 ])
 def test_filters_never_leave_allowed_set(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     b, v, draws = 8, 200, 64
     logits = (rng.standard_normal((b, v)) * rng.uniform(0.5, 4, (b, 1))).astype(np.float32)
     rows = [SamplingRow(params, [0], [], seed=int(rng.integers(2**31)), step=0) for _ in range(b)]
@@ -264,7 +265,7 @@ def test_filters_never_leave_allowed_set(params):
 
 
 def test_seeded_samples_independent_of_row_and_batch():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     v = 128
     x = rng.standard_normal(v).astype(np.float32)
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)

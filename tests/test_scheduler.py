@@ -16,6 +16,7 @@ from zipage_jax.block_manager import NULL_PAGE, BlockManager
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
+from seeds import seeded_rng
 
 BLOCK = 4
 VOCAB = 3  # tiny, so prompts share prefixes and the prefix cache hits
@@ -169,7 +170,7 @@ def test_random_workload_is_lossless_and_bounded(requests, extra_pages, max_num_
 
 
 def test_tight_pool_preempts_and_stays_lossless():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d = Driver(num_pages=7, max_num_seqs=4, max_num_batched_tokens=8, max_num_prefill_seqs=2, prefix_caching=True)
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=int(rng.integers(5, 12))).tolist(),
                     SamplingParams(temperature=0.0, max_tokens=12), i) for i in range(4)]

@@ -13,13 +13,13 @@ it ran — changes the output. Oracle: the same fake run with the request alone 
 import collections
 import zlib
 
-import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from zipage_jax.block_manager import NULL_PAGE, BlockManager
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
+from seeds import seeded_rng
 
 BLOCK = 4
 VOCAB = 3
@@ -286,7 +286,7 @@ def long_requests(rng, n, max_tokens=40):
 def test_memory_pressure_swaps_compressed_requests_losslessly():
     """Slots go to whoever reaches its window first: the small-budget requests compress early, and when the
     large-budget front request needs a page, the compressed tail is swapped out (and back in later)."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d = Driver(num_pages=8, max_num_seqs=3, num_query_slots=2, budget=1)
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=2).tolist(),
                     SamplingParams(temperature=0.0, max_tokens=30, kv_budget_blocks=b), i)
@@ -299,7 +299,7 @@ def test_memory_pressure_swaps_compressed_requests_losslessly():
 
 
 def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     hybrid = Driver(num_pages=40, max_num_seqs=4, num_query_slots=1, budget=2)
     constrained = Driver(num_pages=40, max_num_seqs=4, num_query_slots=1, budget=2, hybrid=False)
     for d in (hybrid, constrained):
@@ -318,7 +318,7 @@ def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
 
 
 def test_compression_batch_is_bounded_by_pages():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d = Driver(num_pages=60, max_num_seqs=4, num_query_slots=4, budget=2, max_compression_pages=3)
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=4).tolist(),  # in lockstep: all due together
                     SamplingParams(temperature=0.0, max_tokens=30), i) for i in range(4)]
@@ -329,7 +329,7 @@ def test_compression_batch_is_bounded_by_pages():
 
 
 def test_async_and_sync_compression_produce_the_same_tokens():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [rng.integers(0, VOCAB, size=int(rng.integers(2, 12))).tolist() for _ in range(5)]
     outs = []
     for async_compression in (True, False):

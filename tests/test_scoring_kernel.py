@@ -26,6 +26,7 @@ from zipage_jax.compression.scoring import paged_window_attention, window_attent
 from zipage_jax.config import EngineConfig
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
+from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
 
@@ -62,7 +63,7 @@ SCORE_CASES = [
 
 @pytest.mark.parametrize("group,window,page_size,head_dim,block_kv,num_stages,num_live,pages_per_row", SCORE_CASES)
 def test_window_scores_match_jnp(group, window, page_size, head_dim, block_kv, num_stages, num_live, pages_per_row):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     k_pool, tables, lens, queries = random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim)
     scale = head_dim ** -0.5
@@ -98,7 +99,7 @@ class InterpretedKernelBackend(ReferenceBackend):
 
 def test_compress_with_the_kernel_equals_jnp():
     """Scores and compacted caches through the kernel backend equal the jnp path (default knobs, GQA)."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     page, budget, window, hkv, group, dim = 16, 2, 8, 2, 4, 64
     num_src = np.array([3, 4, 3, 0])  # a first compression of 4 pages; a padding row
@@ -139,7 +140,7 @@ def test_window_scorer_picks_the_backend_kernel():
 def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     """The runner hands its backend to the compression step: the kernel path gives the jnp path's tokens
     (a tiny bf16 model with the kernel's head dim 64; several compressions per request, a first one of 4 pages)."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     monkeypatch.setitem(attention.BACKENDS, InterpretedKernelBackend.name, InterpretedKernelBackend)
     traced = []  # the kernel's traces: the compression step really scores through the backend's kernel
@@ -178,7 +179,7 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["window", "dtype", "num_live", "queries"])
 def test_window_scores_rejects_bad_input(bad):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k_pool, tables, lens, queries = random_problem(rng, [32, 16], 2, 2, 8, 16, 64)
     if bad == "window":
         queries = queries[:, :6]

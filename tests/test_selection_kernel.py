@@ -13,12 +13,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.backends import MosaicBackend
 from pallas_kernels.selection import MAX_SLOTS, selection_threshold
 from zipage_jax.compression.selection import descending_key, select_slots, sorted_threshold
+from seeds import fresh_seed
 
 INTERPRET = plgpu.InterpretGPUParams()
-
-
-def fresh_seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
 
 
 def random_scores(rng, rows, num_slots):

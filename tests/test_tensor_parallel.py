@@ -1,10 +1,10 @@
 """Tensor parallelism over two simulated CPU devices gives the same tokens as one device."""
 
 import jax
-import numpy as np
 import pytest
 
 from zipage_jax import LLM, SamplingParams
+from seeds import seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per shard
 
@@ -12,7 +12,7 @@ MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per sh
 @pytest.mark.parametrize("compression", [False, True])
 def test_two_way_tensor_parallel_matches_single_device(compression):
     assert len(jax.devices()) >= 2
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 30, size=3)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     opts = dict(block_size=16, max_num_seqs=4, max_model_len=128, compilation_cache_dir=None,

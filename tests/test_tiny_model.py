@@ -15,6 +15,7 @@ from zipage_jax.models import ModelConfig, forward_dense
 from zipage_jax.tasks import sample_problems
 from zipage_jax.tasks.tokenizer import IM_END_ID, encode_chat
 from zipage_jax.weights import load_hf_weights
+from seeds import fresh_seed
 
 MODEL = Path(__file__).resolve().parents[1] / "zipage_jax" / "assets" / "tiny-reasoner"
 
@@ -28,7 +29,7 @@ def test_shipped_checkpoint_is_small_and_qwen3():
 def test_shipped_model_reasons_correctly_under_greedy_decoding():
     cfg = ModelConfig.from_pretrained(MODEL)
     params = load_hf_weights(MODEL, cfg, jnp.float32)
-    problems = sample_problems(6, seed=int(np.random.default_rng().integers(1 << 30)), split="test")
+    problems = sample_problems(6, seed=fresh_seed(), split="test")
     seqs = [encode_chat(p.question, p.solution()) for p in problems]
     width = max(map(len, seqs))
     tokens = np.array([s + [IM_END_ID] * (width - len(s)) for s in seqs], np.int32)

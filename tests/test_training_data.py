@@ -7,10 +7,11 @@ from zipage_jax.tasks import sample_problems
 from zipage_jax.tasks.tokenizer import PAD_ID, encode_chat
 from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, encode_batch, sample_visibility,
                                             visibility_mask)
+from seeds import fresh_seed, seeded_rng
 
 
 def test_loss_weights_cover_the_assistant_and_weight_the_answer():
-    problems = sample_problems(3, seed=int(np.random.default_rng().integers(1 << 30)), split="train")
+    problems = sample_problems(3, seed=fresh_seed(), split="train")
     tokens, weights = encode_batch(problems, answer_weight=7.5)
     assert tokens.shape == (3, SEQ_LEN) and weights.shape == (3, SEQ_LEN - 1)
     for row, p in enumerate(problems):
@@ -27,7 +28,7 @@ def test_loss_weights_cover_the_assistant_and_weight_the_answer():
 
 
 def test_visibility_mask_matches_a_loop():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     window = rng.integers(1, 12, size=3)
     keep = rng.random((3, 10)) < 0.3
     expected = np.zeros((3, 10, 10), bool)
@@ -39,7 +40,7 @@ def test_visibility_mask_matches_a_loop():
 
 
 def test_eviction_rows_keep_the_operands_a_window_and_nothing_in_full_rows_is_hidden():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     problems = sample_problems(40, seed=int(rng.integers(1 << 30)), split="train")
     window, keep = sample_visibility(problems, rng, evict_fraction=0.5)
     evicted = window < SEQ_LEN
