@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode import TILE_ROWS, swizzled
-from zipage_jax.compression.scoring import NORM_FLOOR  # the jnp reference's clamp of the key norms
+from pallas_kernels.reference import NORM_FLOOR  # the jnp reference's clamp of the key norms
 
 
 def block_slots(page_size):
