@@ -21,7 +21,6 @@ import openai
 import pytest
 import uvicorn
 
-from zipage_jax.config import EngineConfig
 from zipage_jax.engine import LLMEngine
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields

@@ -238,6 +238,7 @@ def reference_table() -> str:
     def default(value):
         return f"`{value}`" if isinstance(value, str) else str(value)
 
-    rows = ["| field | default | meaning |", "|---|---|---|", f"| `model` | shipped tiny model | {DESCRIPTIONS['model']} |"]
+    rows = ["| field | default | meaning |", "|---|---|---|",
+            f"| `model` | shipped tiny model | {DESCRIPTIONS['model']} |"]
     rows += [f"| `{name}` | {default(f.default)} | {DESCRIPTIONS[name]} |" for name, f in option_fields().items()]
     return "\n".join(rows)

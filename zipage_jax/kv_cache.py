@@ -22,7 +22,8 @@ def page_bytes(model_cfg, block_size: int, dtype, with_score: bool = False) -> i
 
 def query_slot_bytes(model_cfg, config, dtype) -> int:
     """One row of the query cache: the last ``W`` post-RoPE queries of one request, all layers and heads."""
-    return model_cfg.num_layers * config.scoring.window * model_cfg.num_heads * model_cfg.head_dim * jnp.dtype(dtype).itemsize
+    c = model_cfg
+    return c.num_layers * config.scoring.window * c.num_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
 
 def device_free_bytes(device, utilization: float) -> int | None:
@@ -168,7 +169,8 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     else:
         concurrency = slots
     return MemoryPlan(
-        max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget, reserved_step_scratch_bytes=step if reserved else 0,
+        max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
+        reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
         step_scratch_bytes=step, compression_scratch_bytes=comp,
         page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
