@@ -30,7 +30,7 @@ import numpy as np
 from zipage_jax import kv_cache, sharding, weights
 from zipage_jax.attention import resolve_backend
 from zipage_jax.block_manager import BlockManager
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.runner import ModelRunner
@@ -549,14 +549,14 @@ def main(argv=None):
     sched.add_argument("--png", help="write the metrics plot here")
     startup = sub.add_parser("startup", help="LLM(...) + warmup() time, programs, and compiles after warm-up")
     startup.add_argument("--model", required=True, help="HF checkpoint directory")
-    startup.add_argument("--engine-options", default="{}", help="engine keyword arguments as JSON")
     startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
     startup.add_argument("--json", help="append the report here (one JSON object a line)")
+    startup.set_defaults(engine_fields=add_engine_options(startup))
     args = parser.parse_args(argv)
     if args.benchmark == "scheduling":
         return _scheduling_main(args)
     if args.benchmark == "startup":
-        report = startup_benchmark(args.model, json.loads(args.engine_options), args.workload)
+        report = startup_benchmark(args.model, engine_kwargs(args, args.engine_fields), args.workload)
         print(f"LLM() {report['init_s']:.1f}s + warmup() {report['compile_s']:.1f}s = ready in "
               f"{report['ready_s']:.1f}s; {report['programs']} programs; {report['compiles_after_warmup']} compiles "
               f"during a mixed workload of {report['workload_requests']} requests")

@@ -210,7 +210,8 @@ def _optional(kind):
 
 def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
     """One option per engine option (``option_fields``; bools as --flag/--no-flag), described by
-    ``DESCRIPTIONS``; unset options keep the engine's default. Returns the option names."""
+    ``DESCRIPTIONS``; unset options stay out of the namespace and keep the engine's default (so 'none' can
+    unset a field whose default is not None). Returns the option names."""
     group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
     hints = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ScoringConfig)}
     names = []
@@ -220,17 +221,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
         text = (f"{DESCRIPTIONS[name]} (default: {field.default}"
                 + ("; 'none' to unset)" if nullable else ")")).replace("%", "%%").replace("`", "")
         if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=text)
         else:
-            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind, default=None,
-                               metavar=kind.__name__.upper(), help=text)
+            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind,
+                               default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=text)
         names.append(name)
     return names
 
 
 def engine_kwargs(args: argparse.Namespace, names: list[str]) -> dict:
     """The engine options ``names`` (from ``add_engine_options``) that were set on the command line."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def reference_table() -> str:
