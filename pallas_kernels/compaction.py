@@ -2,7 +2,7 @@
 Compression: trigger and pages).
 
 The kernel does what ``scatter_slots(pool, layer, gather_slots(pool, layer, kept, src), dst, valid)`` does
-(``zipage_jax.compression.compaction``) for the K and the V pool at once, but writes into the pools
+(the engine's jnp compaction) for the K and the V pool at once, but writes into the pools
 themselves: no ``[B, Hkv, K, D]`` scratch, no XLA scatter, and no copy of the (GB-sized) pools. The pools
 enter the kernel as mutable refs (``jax.new_ref``), which ``plgpu.kernel`` lowers to a custom call whose
 outputs alias its inputs; under a jit that donates the pools (or inside a loop carrying them) XLA then

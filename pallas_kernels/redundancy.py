@@ -15,7 +15,7 @@ keys m, n of the same page (0 on the diagonal and off the live range), per block
 The latest-match rule takes ``s(m*(n), n)`` off row ``m*(n)``'s sum: a scatter-add of one value per slot, done
 in jnp on the kernel's packed matches (``_matched_similarity``), so no tile is computed twice. Thresholds
 compare ``K K^T * inv_norm[n]`` with ``threshold * norm[m]``. This is the "lightning" row sum of
-``zipage_jax.compression.scoring.redundancy_row_sums`` (before its softmax, which is O(slots) jnp). Scratch per
+the engine's jnp ``redundancy_row_sums`` (before its softmax, which is O(slots) jnp). Scratch per
 CTA: the key block and a few ``R``-vectors in shared memory; global memory holds two ``[B, Hkv, N]`` vectors.
 """
 
@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode import TILE_ROWS, swizzled
-from zipage_jax.compression.scoring import NORM_FLOOR  # the jnp reference's clamp of the key norms
+from pallas_kernels.reference import NORM_FLOOR  # the jnp reference's clamp of the key norms
 
 
 def block_slots(page_size):

@@ -9,6 +9,8 @@ physical index ``i`` lives at ``(page_tables[r, i // S], i % S)``; query head ``
 import jax
 import jax.numpy as jnp
 
+NORM_FLOOR = 1e-6  # key norms are clamped here before the cosine similarity of compression's key redundancy
+
 
 def write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v):
     """Scatter new K/V rows ``[T, Hkv, D]`` into flat slots ``page * S + offset`` of one layer (in place under donation)."""

@@ -15,7 +15,7 @@ one pipeline (pass 2 walks the blocks backwards, so it starts on blocks pass 1 h
 Window query ``w`` sits at slot ``num_live - W + w`` and sees the slots up to it. Scratch is the query tile,
 the key blocks and ``G * W`` f32 statistics per CTA; global memory holds only the ``[B, Hkv, N]`` f32 result:
 O(slots) per (layer, request, head), never ``W * Hq * N`` logits. Redundancy, pooling, the global score and
-top-k stay in jnp (``zipage_jax.compression``): they are O(slots) elementwise or per-page work.
+top-k stay in the engine's jnp: they are O(slots) elementwise or per-page work.
 """
 
 import functools
@@ -171,7 +171,7 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "interpret"))
 def window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, *, block_kv=None, num_stages=2,
                   interpret=False):
-    """A ``[B, Hkv, N]`` f32 (N = P * S): what ``zipage_jax.compression.scoring.window_attention`` computes
+    """A ``[B, Hkv, N]`` f32 (N = P * S): what the engine's jnp ``window_attention`` computes
     from ``gather_request_kv(k_pool, layer, page_tables)``; slots ``>= num_live`` are 0.
 
     ``queries [B, W, Hq, D]``: the window queries in order. Only the ``num_live`` live slots are read.

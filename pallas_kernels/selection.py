@@ -1,6 +1,6 @@
 """The selection threshold of compression (docs/ARCHITECTURE.md, Compression) as a Mosaic GPU (Hopper) kernel: no sort.
 
-``zipage_jax.compression.select_slots`` keeps, per (layer, request, KV head) row, the slots whose integer
+The engine's ``select_slots`` (compression selection) keeps, per (layer, request, KV head) row, the slots whose integer
 key ranks among the ``keep`` best (smallest), ties to the earlier slot. All it needs is the ``keep``-th best
 (key, slot) pair, which a stable sort of the row finds in O(N log^2 N) work over global memory. This kernel
 finds it by bisection instead: one CTA per row holds the row's keys in shared memory and fixes the key's 32
@@ -64,7 +64,7 @@ def _threshold_kernel(key_ref, out_ref, key_smem, out_smem, barrier, *, keep, sl
 @functools.partial(jax.jit, static_argnames=("keep", "interpret"))
 def selection_threshold(key, keep, *, interpret=False):
     """``(last_key, last_slot)``, each ``[R]`` int32: per row of ``key [R, N]`` int32, the ``keep``-th smallest
-    (key, slot) pair in (key, slot) order, as ``zipage_jax.compression.selection.sorted_threshold`` gives.
+    (key, slot) pair in (key, slot) order, as the engine's jnp ``sorted_threshold`` gives.
     N is at most ``MAX_SLOTS``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     if key.ndim != 2 or key.dtype != jnp.int32:
         raise ValueError(f"key must be [R, N] int32, got {key.shape} {key.dtype}")

@@ -2,18 +2,18 @@
 
     python scripts/make_random_checkpoint.py /tmp/qwen3-8b --model-shape qwen3-8b
 
-Needs torch and transformers (the GPU machine has both): the model is built on the GPU in bf16 and saved with
-``save_pretrained`` (Qwen3-8B: 16.4 GB in about 20 s). The tokenizer is the shipped model's, so prompts are best
-given as token ids.
+With torch (the GPU machine has it) the model is built on the GPU in bf16 and saved with ``save_pretrained``
+(Qwen3-8B: 16.4 GB in about 20 s); without it, random Params from jax are exported (small shapes: the export
+holds the model in f32 on the host). ``--num-layers`` trims the layer count (a few hundred MB for CPU runs). The
+tokenizer is the shipped model's, so prompts are best given as token ids.
 """
 
 import argparse
+import dataclasses
+import importlib.util
 import shutil
 import time
 from pathlib import Path
-
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from zipage_jax.bench import MODEL_SHAPES
 from zipage_jax.engine import DEFAULT_MODEL
@@ -24,21 +24,47 @@ def main():
     parser.add_argument("out", help="directory to write")
     parser.add_argument("--model-shape", choices=[k for k, v in MODEL_SHAPES.items() if v.model_type == "qwen3"],
                         default="qwen3-8b")
+    parser.add_argument("--num-layers", type=int, default=None, help="layers (default: the model's)")
     args = parser.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
+    if args.num_layers:
+        shape = dataclasses.replace(shape, num_layers=args.num_layers)
     start = time.perf_counter()
-    config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                         head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
-                         tie_word_embeddings=shape.tie_word_embeddings,
-                         max_position_embeddings=shape.max_position_embeddings, eos_token_id=2)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(args.out)
+    if importlib.util.find_spec("torch") is None:
+        export_from_jax(shape, args.out)
+    else:
+        save_from_torch(shape, args.out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(DEFAULT_MODEL) / name, args.out)
     print(f"{args.model_shape} checkpoint written to {args.out} in {time.perf_counter() - start:.1f}s")
+
+
+def arch(shape) -> dict:
+    return dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps,
+                rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_word_embeddings,
+                max_position_embeddings=shape.max_position_embeddings)
+
+
+def export_from_jax(shape, out):
+    import jax
+    import jax.numpy as jnp
+
+    from zipage_jax.tasks.export import save_hf_checkpoint
+    from zipage_jax.weights import init_random_params
+
+    save_hf_checkpoint(init_random_params(shape, jax.random.key(0), jnp.bfloat16), arch(shape), out)
+
+
+def save_from_torch(shape, out):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**arch(shape), eos_token_id=2)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
 
 
 if __name__ == "__main__":

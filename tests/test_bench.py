@@ -80,10 +80,11 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     from zipage_jax.engine import DEFAULT_MODEL
 
     out = tmp_path / "startup.jsonl"
-    options = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-                   compilation_cache_dir=None)
-    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, "--engine-options", json.dumps(options),
-                            "--workload", "4", "--json", str(out)])
+    options = ["--block-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
+               "--compilation-cache-dir", "none"]  # the engine options every CLI generates from EngineConfig
+    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)])
+    assert report["engine_options"] == dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                            max_model_len=512, compilation_cache_dir=None)
     assert report["programs"] == 2 * 1 + 3  # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99

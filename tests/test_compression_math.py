@@ -56,7 +56,7 @@ def np_request_scores(keys, queries, history, compressed_before, cfg, page):
     final, g_out = np.zeros((layers, hkv, n)), np.zeros((layers, hkv, n))
     for layer in range(layers):
         for h in range(hkv):
-            if cfg.policy == "window":
+            if cfg.eviction_policy == "window":
                 score = np.arange(n, dtype=np.float64)
             else:
                 attn = np.zeros(n)
@@ -197,7 +197,7 @@ SCORING_CASES = [
                    similarity_threshold=0.2, redundancy_temperature=1.0), 1, 2, 1),
     (ScoringConfig(window=WINDOW, redundancy="lightning", sink_tokens=2, pooling_width=4,
                    pooling_first_only=False), 1, 3, 0),
-    (ScoringConfig(window=WINDOW, policy="window", sink_tokens=3), 4, 3, 2),
+    (ScoringConfig(window=WINDOW, eviction_policy="window", sink_tokens=3), 4, 3, 2),
 ]
 
 
@@ -275,7 +275,7 @@ COMPRESS_CASES = [
     (DEFAULT, 4),
     (ScoringConfig(window=WINDOW, redundancy="full", sink_tokens=3, pooling_first_only=False), 1),
     (ScoringConfig(window=WINDOW, global_score=False, redundancy="off", pooling=False), 4),
-    (ScoringConfig(window=WINDOW, policy="window", sink_tokens=2), 1),
+    (ScoringConfig(window=WINDOW, eviction_policy="window", sink_tokens=2), 1),
 ]
 
 

@@ -21,14 +21,14 @@ def config(**kwargs):
     opts = dict(model=MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
                 compression=True, kv_budget_blocks=2, compilation_cache_dir=None)
     opts.update(kwargs)
-    return EngineConfig(**opts)
+    return EngineConfig.from_kwargs(**opts)
 
 
 def shapes_bytes(m, c, itemsize):
     """Independent arithmetic from the array shapes: one page of K, V (+ f32 score) and one query-cache row."""
     page = np.prod([m.num_layers, m.num_kv_heads, c.block_size, m.head_dim]) * itemsize * 2
-    page += np.prod([m.num_layers, m.num_kv_heads, c.block_size]) * 4 if c.global_score else 0
-    slot = np.prod([m.num_layers, c.window, m.num_heads, m.head_dim]) * itemsize
+    page += np.prod([m.num_layers, m.num_kv_heads, c.block_size]) * 4 if c.scoring.global_score else 0
+    slot = np.prod([m.num_layers, c.scoring.window, m.num_heads, m.head_dim]) * itemsize
     return int(page), int(slot)
 
 
@@ -40,11 +40,11 @@ def test_pool_and_query_slots_from_a_byte_budget(kwargs):
     page, slot = shapes_bytes(CFG, c, 4)
     slots = c.num_query_slots or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
     pages = (c.kv_cache_memory_bytes - (slots + 1) * slot) // page
-    assert (plan["page_bytes"], plan["query_slot_bytes"]) == (page, slot)
-    assert (plan["num_query_slots"], plan["num_pages"]) == (slots, pages)
-    assert plan["pool_bytes"] + plan["query_cache_bytes"] <= c.kv_cache_memory_bytes
-    assert plan["max_compressed_concurrency"] == min(slots, (pages - 1) // 3)
-    assert plan["reserved_step_scratch_bytes"] == 0  # an explicit pool budget reserves nothing
+    assert (plan.page_bytes, plan.query_slot_bytes) == (page, slot)
+    assert (plan.num_query_slots, plan.num_pages) == (slots, pages)
+    assert plan.pool_bytes + plan.query_cache_bytes <= c.kv_cache_memory_bytes
+    assert plan.max_compressed_concurrency == min(slots, (pages - 1) // 3)
+    assert plan.reserved_step_scratch_bytes == 0  # an explicit pool budget reserves nothing
 
 
 def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
@@ -52,14 +52,14 @@ def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
     monkeypatch.setattr(kv_cache, "device_free_bytes", lambda device, utilization: budget)
     c = config()
     plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
-    reserved = plan["step_scratch_bytes"] + plan["compression_scratch_bytes"] + plan["reserved_swap_bytes"]
-    assert plan["reserved_step_scratch_bytes"] > 0 and plan["reserved_compression_scratch_bytes"] > 0
+    reserved = plan.step_scratch_bytes + plan.compression_scratch_bytes + plan.reserved_swap_bytes
+    assert plan.reserved_step_scratch_bytes > 0 and plan.reserved_compression_scratch_bytes > 0
     page, slot = shapes_bytes(CFG, c, 4)
-    assert plan["reserved_swap_bytes"] == 3 * page + slot
-    assert plan["num_query_slots"] == min(8, (budget - reserved) // (3 * page + slot))
-    assert plan["pool_bytes"] + plan["query_cache_bytes"] + reserved <= budget
+    assert plan.reserved_swap_bytes == 3 * page + slot
+    assert plan.num_query_slots == min(8, (budget - reserved) // (3 * page + slot))
+    assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
     hybrid, constrained = plan, kv_cache.plan_memory(config(hybrid_admission=False), CFG, jnp.float32, 256)
-    assert hybrid["max_concurrency"] == 8 and constrained["max_concurrency"] == constrained["num_query_slots"]
+    assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_slots
 
 
 def test_bad_budgets_and_bounds_raise():
@@ -77,7 +77,7 @@ def test_scratch_estimates_bound_what_xla_allocates():
     llm = LLM(MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
               compression=True, kv_budget_blocks=2, compilation_cache_dir=None, max_compression_pages=64)
     engine, runner = llm.engine, llm.engine.runner
-    assert engine.sizing["num_query_slots"] == 8 and llm.metrics()["max_concurrency"] == 8
+    assert engine.sizing.num_query_slots == 8 and llm.metrics()["max_concurrency"] == 8
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
     caches = [spec(x) for x in (runner.k_pool, runner.v_pool, runner.score_cache, runner.query_cache)]
     for rows, width in ((4, 16), (16, 3)):
@@ -101,7 +101,7 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     """The Mosaic kernels compact in place and score from the pool pages: their compression reserve drops the
     gathered and kept K/V (H200, Qwen3-8B shapes: 17.8 MB measured, BENCHMARKS.md), leaving the pool more
     pages; "full" redundancy still gathers keys. Tensor parallelism takes the jnp path."""
-    from zipage_jax.attention import resolve_backend
+    from zipage_jax.attention import resolve_backend, sharded
     from zipage_jax.bench import MODEL_SHAPES
 
     qwen = MODEL_SHAPES["qwen3-8b"]
@@ -110,8 +110,8 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     assert 17.8e6 <= fused < kv_cache.compression_scratch_bytes(qwen, cfg, jnp.bfloat16, 64 * 9) / 10
     full = config(block_size=256, kv_budget_blocks=8, redundancy="full")
     assert kv_cache.compression_scratch_bytes(qwen, full, jnp.bfloat16, 64 * 9, fused=True) > fused
-    plans = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, fused_compression=f) for f in (False, True)]
-    assert 0 < plans[1]["compression_scratch_bytes"] < plans[0]["compression_scratch_bytes"]
-    assert kv_cache.fused_compression(resolve_backend("mosaic"), cfg)
-    assert not kv_cache.fused_compression(resolve_backend("reference"), cfg)
-    assert not kv_cache.fused_compression(resolve_backend("mosaic"), config(tensor_parallel_size=2))
+    mosaic = resolve_backend("mosaic")
+    plans = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, b) for b in (resolve_backend("reference"), mosaic)]
+    assert 0 < plans[1].compression_scratch_bytes < plans[0].compression_scratch_bytes
+    assert mosaic.fused_compression and not resolve_backend("reference").fused_compression
+    assert not sharded(mosaic, mesh=None).fused_compression

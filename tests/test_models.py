@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zipage_jax.attention import ReferenceBackend
+from zipage_jax.attention import REFERENCE
 from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
 from zipage_jax.models.params import fuse_columns, unfuse_columns
 from zipage_jax.weights import load_hf_weights
@@ -92,7 +92,7 @@ def test_forward_paged_chunked_prefill_then_decode_equals_dense(name):
     v_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     step = jax.jit(forward_paged, static_argnums=(1, 5))
     serving = to_serving(params)
-    backend = ReferenceBackend()
+    backend = REFERENCE
     done = [0, 0]
 
     def run(chunks, pad_tokens, decode):
@@ -144,7 +144,7 @@ def test_forward_paged_returns_post_rope_queries_on_request():
             cu_q_lens=jnp.array([0, t], jnp.int32),
         )
 
-    backend = ReferenceBackend()
+    backend = REFERENCE
     serving = to_serving(params)
     logits, _, _ = forward_paged(serving, cfg, pool, pool, batch(np.arange(t)), backend)
     logits_q, _, _, queries = forward_paged(serving, cfg, pool, pool, batch(np.arange(t)), backend, return_queries=True)

@@ -8,11 +8,13 @@ produces ``out[k] = next_token(prompt + out[:k])``.
 """
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from zipage_jax.block_manager import NULL_PAGE, BlockManager
+from zipage_jax.compression import ScoringConfig
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
@@ -75,7 +77,10 @@ class Driver:
 
     def __init__(self, num_pages, max_num_seqs, max_num_batched_tokens, max_num_prefill_seqs, prefix_caching):
         self.bm = BlockManager(num_pages, BLOCK, prefix_caching)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_num_prefill_seqs)
+        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_prefill_seqs=max_num_prefill_seqs, compression=False, kv_budget_blocks=8,
+                                 scoring=ScoringConfig(), hybrid_admission=True, async_compression=True)
+        self.scheduler = Scheduler(self.bm, config, SimpleNamespace(num_query_slots=0, max_compression_pages=None))
         self.device = FakeDevice(self.bm, max_num_seqs)
         self.in_flight: list[tuple[Request, int]] = []
         self.finished: dict[str, Request] = {}

@@ -12,10 +12,12 @@ it ran — changes the output. Oracle: the same fake run with the request alone 
 
 import collections
 import zlib
+from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
 from zipage_jax.block_manager import NULL_PAGE, BlockManager
+from zipage_jax.compression import ScoringConfig
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
@@ -107,10 +109,12 @@ class Driver:
                  prefix_caching=True, budget=2, num_query_slots=2, hybrid=True, async_compression=True,
                  max_compression_pages=None):
         self.bm = BlockManager(num_pages, BLOCK, prefix_caching)
-        self.s = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_num_prefill_seqs, compression=True,
-                           kv_budget_blocks=budget, num_query_slots=num_query_slots, window=WINDOW,
-                           hybrid_admission=hybrid, async_compression=async_compression,
-                           max_compression_pages=max_compression_pages)
+        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_prefill_seqs=max_num_prefill_seqs, compression=True, kv_budget_blocks=budget,
+                                 scoring=ScoringConfig(window=WINDOW), hybrid_admission=hybrid,
+                                 async_compression=async_compression)
+        plan = SimpleNamespace(num_query_slots=num_query_slots, max_compression_pages=max_compression_pages)
+        self.s = Scheduler(self.bm, config, plan)  # toy sizes EngineConfig would reject
         self.device = FakeDevice(self.bm, max_num_seqs, num_query_slots)
         self.in_flight: list[tuple[Request, int]] = []
         self.finished: dict[str, Request] = {}

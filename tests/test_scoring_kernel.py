@@ -19,10 +19,10 @@ from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import window_scores
 from pallas_kernels.selection import selection_threshold
 from zipage_jax import attention, weights
-from zipage_jax.attention import ReferenceBackend, ShardedBackend, resolve_backend
+from zipage_jax.attention import REFERENCE, AttentionBackend, resolve_backend, sharded
 from zipage_jax.bench import MODEL_SHAPES, BenchEngine
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, slot_scores
-from zipage_jax.compression.scoring import paged_window_attention, window_attention, window_scorer
+from zipage_jax.compression.scoring import paged_window_attention, window_attention
 from zipage_jax.config import EngineConfig
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
@@ -78,23 +78,14 @@ def test_window_scores_match_jnp(group, window, page_size, head_dim, block_kv, n
     assert (out.transpose(1, 0, 2)[:, dead] == 0).all()
 
 
-@dataclasses.dataclass(frozen=True)
-class InterpretedKernelBackend(ReferenceBackend):
-    """The reference backend plus the scoring kernels in interpret mode: the wiring of the mosaic backends."""
-
-    name = "interpreted_kernel"
-
-    def window_scores(self, k_pool, layer, page_tables, num_live, queries, sm_scale):
-        return window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, interpret=INTERPRET)
-
-    def lightning_row_sums(self, k_pool, layer, page_tables, num_pages, threshold):
-        return lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, interpret=INTERPRET)
-
-    def selection_threshold(self, key, keep):
-        return selection_threshold(key, keep, interpret=INTERPRET)
-
-    def compact_slots(self, k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
-        return compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, interpret=INTERPRET)
+def interpreted_kernel_backend(window_scores_fn=window_scores):
+    """The reference backend plus the compression kernels in interpret mode: the wiring of the mosaic backends."""
+    return AttentionBackend(
+        name="interpreted_kernel",
+        window_scores=functools.partial(window_scores_fn, interpret=INTERPRET),
+        lightning_row_sums=functools.partial(lightning_row_sums, interpret=INTERPRET),
+        selection_threshold=functools.partial(selection_threshold, interpret=INTERPRET),
+        compact_slots=functools.partial(compact_slots, interpret=INTERPRET), fused_compression=True)
 
 
 def test_compress_with_the_kernel_equals_jnp():
@@ -115,7 +106,7 @@ def test_compress_with_the_kernel_equals_jnp():
                            valid=jnp.asarray(num_src > 0))
     cfg = ScoringConfig(window=window, sink_tokens=1)
     scale = dim ** -0.5
-    kernel_backend = InterpretedKernelBackend()
+    kernel_backend = interpreted_kernel_backend()
     got = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, backend=kernel_backend)
     want = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale)
     got, want = np.asarray(got), np.asarray(want)
@@ -129,12 +120,14 @@ def test_compress_with_the_kernel_equals_jnp():
     np.testing.assert_allclose(np.asarray(s_got), np.asarray(s_want), rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
 
 
-def test_window_scorer_picks_the_backend_kernel():
-    assert window_scorer(None) is paged_window_attention
-    assert window_scorer(resolve_backend("reference")) is paged_window_attention
-    assert window_scorer(resolve_backend("mosaic")).__func__.__name__ == "window_scores"
-    # tensor parallel: the sharded wrapper has no kernel of its own, so compression scores with jnp
-    assert window_scorer(ShardedBackend(resolve_backend("mosaic"), mesh=None)) is paged_window_attention
+def test_backends_declare_their_compression_kernels():
+    assert REFERENCE.window_scores is paged_window_attention and resolve_backend("reference") is REFERENCE
+    mosaic = resolve_backend("mosaic")
+    assert mosaic.window_scores is window_scores and mosaic.compact_slots is compact_slots
+    assert mosaic is resolve_backend("mosaic")  # resolved once: one jit cache entry per backend
+    # tensor parallel: attention per shard; compression runs the jnp references, partitioned by XLA
+    tp = sharded(mosaic, mesh=None)
+    assert tp.window_scores is paged_window_attention and tp.decode is not mosaic.decode and tp.name == "mosaic"
 
 
 def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
@@ -142,18 +135,16 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     (a tiny bf16 model with the kernel's head dim 64; several compressions per request, a first one of 4 pages)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    monkeypatch.setitem(attention.BACKENDS, InterpretedKernelBackend.name, InterpretedKernelBackend)
     traced = []  # the kernel's traces: the compression step really scores through the backend's kernel
-    kernel_scores = InterpretedKernelBackend.window_scores
-    monkeypatch.setattr(InterpretedKernelBackend, "window_scores",
-                        lambda self, *args: traced.append(1) or kernel_scores(self, *args))
+    backend = interpreted_kernel_backend(lambda *args, **kw: traced.append(1) or window_scores(*args, **kw))
+    monkeypatch.setitem(attention.BACKENDS, backend.name, backend)
     model_cfg = dataclasses.replace(MODEL_SHAPES["tiny"], head_dim=64, dtype="bfloat16")
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.bfloat16)
     prompts = [rng.integers(0, model_cfg.vocab_size, size=n).tolist() for n in (60, 20)]
     sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
 
     def generate(backend_name):
-        config = EngineConfig(model="random:tiny", dtype="bfloat16", block_size=16, max_model_len=128,
+        config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", block_size=16, max_model_len=128,
                               max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=24,
                               attention_backend=backend_name, enable_prefix_caching=False,
                               compilation_cache_dir=None, compression=True, kv_budget_blocks=2, window=8,
@@ -169,7 +160,7 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
         engine.drain()
         return [r.output_token_ids for r in requests], compressions
 
-    got, got_compressions = generate(InterpretedKernelBackend.name)
+    got, got_compressions = generate(backend.name)
     assert traced
     want, want_compressions = generate("reference")
     assert got_compressions == want_compressions >= 4

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.backends import MosaicBackend
 from pallas_kernels.selection import MAX_SLOTS, selection_threshold
+from zipage_jax.attention import resolve_backend
 from zipage_jax.compression.selection import descending_key, select_slots, sorted_threshold
 from seeds import fresh_seed
 
@@ -54,7 +54,7 @@ def test_long_rows_fall_back_to_the_sort():
     """Rows longer than the kernel's shared memory holds: the backend sorts (no kernel runs on CPU here)."""
     seed = fresh_seed()
     key = descending_key(jnp.asarray(random_scores(np.random.default_rng(seed), 4, MAX_SLOTS + 128)))
-    for g, w in zip(MosaicBackend().selection_threshold(key, MAX_SLOTS), sorted_threshold(key, MAX_SLOTS)):
+    for g, w in zip(resolve_backend("mosaic").selection_threshold(key, MAX_SLOTS), sorted_threshold(key, MAX_SLOTS)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"seed {seed}")
 
 

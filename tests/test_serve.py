@@ -21,10 +21,10 @@ import openai
 import pytest
 import uvicorn
 
-from zipage_jax.config import EngineConfig
 from zipage_jax.engine import LLMEngine
 from zipage_jax.sampling import SamplingParams
-from zipage_jax.serve import build_parser, create_app, engine_kwargs, stable_text_len
+from zipage_jax.config import engine_kwargs, option_fields
+from zipage_jax.serve import build_parser, create_app, stable_text_len
 
 WAIT_S = 30.0  # bound on every poll loop below
 
@@ -154,14 +154,17 @@ def test_stable_text_len_holds_back_what_a_stop_could_retract(text, stops, expec
 
 
 def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    fields = set(option_fields())  # EngineConfig's fields, the nested scoring knobs flat
+    assert {"window", "eviction_policy", "redundancy"} < fields and "scoring" not in fields
     text = build_parser().format_help()
     assert "mosaic_decode" in text and "KV pool size in pages instead" in text  # the field descriptions
     for flag in ["--model", "--host", "--port", "--api-key", "--max-queued-requests", "--shutdown-timeout",
                  *("--" + name.replace("_", "-") for name in fields)]:
         assert flag in text, flag
-    args = build_parser().parse_args(["--block-size", "32", "--no-enable-prefix-caching", "--dtype", "float32"])
-    assert engine_kwargs(args) == {"block_size": 32, "enable_prefix_caching": False, "dtype": "float32"}
+    args = build_parser().parse_args(["--block-size", "32", "--no-enable-prefix-caching", "--dtype", "float32",
+                                      "--window", "8"])
+    assert engine_kwargs(args, args.engine_fields) == {"block_size": 32, "enable_prefix_caching": False,
+                                                       "dtype": "float32", "window": 8}
     assert args.host == "127.0.0.1" and args.model.endswith("tiny-reasoner")
     out = subprocess.run([sys.executable, "-m", "zipage_jax.serve", "--help"], capture_output=True, text=True,
                          timeout=120)

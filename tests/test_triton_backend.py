@@ -18,8 +18,7 @@ import pytest
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.triton_sizing import chunk_tiles, decode_splits, group_rows
 from zipage_jax import attention
-from zipage_jax.attention import BACKENDS, ReferenceBackend, default_backend_name, resolve_backend
-from zipage_jax.compression.scoring import paged_window_attention, window_scorer
+from zipage_jax.attention import BACKENDS, REFERENCE, default_backend_name, resolve_backend
 from test_kernels import assert_close  # the kernels' shared bf16 check (tests/ is on sys.path under pytest)
 from seeds import fresh_seed, seeded_rng
 
@@ -73,12 +72,19 @@ def test_auto_on_ampere_resolves_to_triton(without_jax_triton, monkeypatch):
 
 def test_triton_registers_when_its_kernels_import(monkeypatch):
     forget(monkeypatch, BACKENDS, "triton")
-    for module in ("pallas_kernels.triton_decode", "pallas_kernels.triton_prefill"):
-        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))  # stands in for the kernel modules
+    stand_ins = {}
+    for module, kernel in (("pallas_kernels.triton_decode", "paged_decode"),
+                           ("pallas_kernels.triton_prefill", "ragged_prefill")):
+        stand_ins[kernel] = types.ModuleType(module)  # stands in for the kernel module
+        setattr(stand_ins[kernel], kernel, lambda *args: None)
+        monkeypatch.setitem(sys.modules, module, stand_ins[kernel])
     backend = resolve_backend("triton")
-    assert backend.name == "triton" and BACKENDS["triton"] is type(backend)
-    assert type(backend).write_kv is ReferenceBackend.write_kv  # KV write: the XLA scatter
-    assert window_scorer(backend) is paged_window_attention  # no Triton scoring kernel: jnp scoring
+    assert backend.name == "triton" and BACKENDS["triton"] is backend
+    assert backend.decode is stand_ins["paged_decode"].paged_decode
+    assert backend.prefill is stand_ins["ragged_prefill"].ragged_prefill
+    assert backend.write_kv is REFERENCE.write_kv  # KV write: the XLA scatter
+    assert backend.window_scores is REFERENCE.window_scores  # no Triton scoring kernel: jnp scoring
+    assert not backend.fused_compression
 
 
 @pytest.mark.parametrize("table_width,page_size,block_n,num_splits,expected", [
@@ -217,7 +223,7 @@ def test_triton_backend_matches_reference_backend():
     """Through the backend interface: write a chunk's KV, prefill it, then decode one more token."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    triton, ref = resolve_backend("triton"), ReferenceBackend()
+    triton, ref = resolve_backend("triton"), REFERENCE
     num_kv_heads, group, head_dim, page_size, layer, scale = 8, 4, 128, 16, 1, 128 ** -0.5
     kv_lens = [37, 100]
     k_pool, v_pool, tables = random_case(rng, kv_lens, page_size, num_kv_heads, head_dim)

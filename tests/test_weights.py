@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from zipage_jax.models import ModelConfig, forward_dense
 from zipage_jax.models.params import param_shapes
-from zipage_jax.weights import init_random_params, load_hf_weights, load_params, restore_params, save_params
+from zipage_jax.weights import init_random_params, load_hf_weights, restore_params, save_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -107,16 +107,6 @@ def test_restore_with_mismatched_config_raises(tmp_path):
         restore_params(tmp_path / "ckpt", other)
     with pytest.raises(ValueError, match="directory"):
         restore_params(tmp_path / "missing", cfg)
-
-
-def test_load_params_fills_and_reuses_orbax_cache(tmp_path):
-    cfg, first = load_params(FIXTURES / "llama", jnp.float32, cache_dir=tmp_path / "cache")
-    assert (tmp_path / "cache" / "float32").is_dir()
-    cfg2, second = load_params(FIXTURES / "llama", jnp.float32, cache_dir=tmp_path / "cache")
-    assert cfg2 == cfg
-    assert_params_equal(first, second)
-    _, direct = load_params(FIXTURES / "llama", jnp.float32)
-    assert_params_equal(direct, first)
 
 
 def test_random_init_is_deterministic_by_key():

@@ -1,91 +1,104 @@
-"""One attention interface, several implementations: the jnp reference, Mosaic GPU kernels (Hopper) and Triton
-kernels (Ampere).
+"""The kernel interface: every device kernel the engine calls, declared in one object (docs/ARCHITECTURE.md,
+Kernel interface).
 
-A backend is a frozen, field-less dataclass, so it is hashable and can be a static argument of the jitted
-steps. All backends share the semantics of ``pallas_kernels.reference``.
+An ``AttentionBackend`` is a frozen dataclass of functions whose defaults are the jnp references (the CPU path
+and the oracle of every kernel test). A named backend replaces some of them with kernels: the Mosaic GPU ones
+(Hopper), the Triton ones (Ampere). The engine resolves its backend once and hands it, as a static argument,
+to the jitted steps; nothing downstream asks a backend what it has. All implementations share the semantics
+of ``pallas_kernels.reference`` and the compression modules' jnp functions.
+
+The registry lives here, not in ``pallas_kernels``: the kernels know nothing of the engine.
 """
 
 import dataclasses
 import functools
+import importlib
+from typing import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference
+from zipage_jax.compression import compaction, scoring, selection
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceBackend:
-    """Pure jnp: the CPU path and the oracle."""
+class AttentionBackend:
+    """The kernels of one backend (hashable: a jit static argument). Signatures, for a KV pool
+    ``[L, num_pages, Hkv, S, D]`` of which the kernels read or write one ``layer``:
 
-    name = "reference"
+    - ``write_kv(k_pool, v_pool, layer, slot_mapping, k, v) -> (k_pool, v_pool)``: new K/V rows into flat slots;
+    - ``decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale) -> out``: one query token a row;
+    - ``prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale) -> out``: packed chunks;
+    - ``window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale) -> [B, Hkv, N]``: compression's
+      window attention A;
+    - ``lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold) -> [B, Hkv, N]``: raw in-page key
+      redundancy;
+    - ``selection_threshold(key, keep) -> (last_key, last_slot)``: each row's ``keep``-th best (key, slot);
+    - ``compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid) -> (k_pool, v_pool)``.
 
-    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
-        return reference.write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v)
+    ``fused_compression`` declares that the compression kernels read the pool pages in place (no gathered K/V
+    scratch), which the memory plan reserves less for.
+    """
 
-    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
-        return reference.paged_decode_ref(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+    name: str = "reference"
+    write_kv: Callable = reference.write_kv_ref
+    decode: Callable = reference.paged_decode_ref
+    prefill: Callable = reference.ragged_prefill_ref
+    window_scores: Callable = scoring.paged_window_attention
+    lightning_row_sums: Callable = scoring.paged_lightning_row_sums
+    selection_threshold: Callable = selection.sorted_threshold
+    compact_slots: Callable = compaction.compact_slots
+    fused_compression: bool = False
 
-    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
-        return reference.ragged_prefill_ref(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+REFERENCE = AttentionBackend()
+BACKENDS = {"reference": REFERENCE}  # name -> backend; the kernel backends are added on first use
 
 
-BACKENDS = {"reference": ReferenceBackend}
+def sharded(base: AttentionBackend, mesh: jax.sharding.Mesh) -> AttentionBackend:
+    """``base`` per tensor-parallel shard: attention heads are independent, so write_kv / decode / prefill run
+    per shard (``shard_map``) over its own KV heads. The compression kernels run unsharded, as the jnp
+    references, which XLA partitions over the KV-head-sharded pool (the fused kernels are single-device)."""
 
+    def per_shard(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-@dataclasses.dataclass(frozen=True)
-class ShardedBackend:
-    """Runs a backend per tensor-parallel shard: heads are independent, so each shard attends over its own."""
+    pool, heads = P(None, None, "tp"), P(None, "tp")
 
-    base: object
-    mesh: jax.sharding.Mesh
-
-    @property
-    def name(self):
-        return self.base.name
-
-    def _map(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-    def write_kv(self, k_pool, v_pool, layer, slot_mapping, k, v):
-        pool, rows = P(None, None, "tp"), P(None, "tp")
-        return self._map(self.base.write_kv, (pool, pool, P(), P(), rows, rows), (pool, pool))(
+    def write_kv(k_pool, v_pool, layer, slot_mapping, k, v):
+        return per_shard(base.write_kv, (pool, pool, P(), P(), heads, heads), (pool, pool))(
             k_pool, v_pool, layer, slot_mapping, k, v)
 
-    def decode(self, q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
-        pool, heads = P(None, None, "tp"), P(None, "tp")
-        fn = functools.partial(self.base.decode, sm_scale=sm_scale)
-        return self._map(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P()), heads)(
+    def decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        fn = functools.partial(base.decode, sm_scale=sm_scale)
+        return per_shard(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P()), heads)(
             q, k_pool, v_pool, layer, kv_lens, page_tables)
 
-    def prefill(self, q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
-        pool, heads = P(None, None, "tp"), P(None, "tp")
-        fn = functools.partial(self.base.prefill, sm_scale=sm_scale)
-        return self._map(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P(), P()), heads)(
+    def prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        fn = functools.partial(base.prefill, sm_scale=sm_scale)
+        return per_shard(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P(), P()), heads)(
             q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables)
 
-
-def register_backend(cls):
-    """Kernel modules register their backend class here under ``cls.name``."""
-    BACKENDS[cls.name] = cls
-    return cls
+    return AttentionBackend(name=base.name, write_kv=write_kv, decode=decode, prefill=prefill)
 
 
-def resolve_backend(name: str = "auto"):
+def resolve_backend(name: str = "auto") -> AttentionBackend:
     """Pick the backend: ``auto`` → Mosaic GPU kernels on Hopper+, Triton kernels on Ampere, jnp on CPU."""
     if name == "auto":
         name = default_backend_name(jax.devices()[0])
+    if name not in BACKENDS and name in KERNEL_BACKENDS:
+        BACKENDS.update(KERNEL_BACKENDS[name]())
     if name not in BACKENDS:
-        _load_kernel_backends(name)
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend: unknown or unavailable backend {name!r}; have {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+        raise ValueError(f"attention_backend: unknown or unavailable backend {name!r}; "
+                         f"have {sorted(set(BACKENDS) | set(KERNEL_BACKENDS))}")
+    return BACKENDS[name]
 
 
 def default_backend_name(device) -> str:
     if device.platform != "gpu":
         return "reference"
-    capability = getattr(device, "compute_capability", "0")
+    capability = device.compute_capability
     major = int(str(capability).split(".")[0] or 0)
     if major >= 9:
         return "mosaic"
@@ -95,9 +108,38 @@ def default_backend_name(device) -> str:
                      "(8.0+); pass attention_backend='reference' on older GPUs")
 
 
-def _load_kernel_backends(name: str):
-    """Import kernel modules lazily: mosaic / mosaic_decode always, triton (needs jax-triton) only when asked."""
-    import pallas_kernels.backends as kernel_backends
+def mosaic_backends() -> dict:
+    """Hopper: the Mosaic GPU paged decode and compression kernels (window attention, lightning redundancy,
+    selection threshold, in-place compaction); ``mosaic`` adds the ragged prefill kernel, ``mosaic_decode``
+    keeps the XLA prefill. KV write: the in-place XLA scatter."""
+    from pallas_kernels import compaction as k_compaction, paged_decode, ragged_prefill, redundancy
+    from pallas_kernels import scoring as k_scoring, selection as k_selection
 
-    if name == "triton":
-        kernel_backends.register_triton()
+    def selection_threshold(key, keep):
+        """The kernel where a row's keys fit its shared memory, else the sort."""
+        if key.shape[1] > k_selection.MAX_SLOTS:
+            return selection.sorted_threshold(key, keep)
+        return k_selection.selection_threshold(key, keep)
+
+    decode_only = AttentionBackend(
+        name="mosaic_decode", decode=paged_decode.paged_decode, window_scores=k_scoring.window_scores,
+        lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
+        compact_slots=k_compaction.compact_slots, fused_compression=True)
+    full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
+    return {"mosaic_decode": decode_only, "mosaic": full}
+
+
+def triton_backends() -> dict:
+    """Ampere (sm_80+): Triton paged decode and ragged prefill kernels through jax-triton (an optional extra, so
+    CPU installs never import it); jnp compression; KV write as the XLA scatter."""
+    try:
+        triton_decode = importlib.import_module("pallas_kernels.triton_decode")
+        triton_prefill = importlib.import_module("pallas_kernels.triton_prefill")
+    except ImportError as e:
+        raise ValueError("attention_backend: 'triton' needs jax-triton and triton "
+                         f"(pip install 'zipage_jax[ampere]'); import failed: {e}") from e
+    return {"triton": AttentionBackend(name="triton", decode=triton_decode.paged_decode,
+                                       prefill=triton_prefill.ragged_prefill)}
+
+
+KERNEL_BACKENDS = {"mosaic": mosaic_backends, "mosaic_decode": mosaic_backends, "triton": triton_backends}

@@ -30,12 +30,12 @@ import numpy as np
 from zipage_jax import kv_cache, sharding, weights
 from zipage_jax.attention import resolve_backend
 from zipage_jax.block_manager import BlockManager
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.runner import ModelRunner
 from zipage_jax.sampling import SamplingParams
-from zipage_jax.engine import make_scheduler
+from zipage_jax.scheduler import Scheduler
 from zipage_jax.profiling import kernel_breakdown
 
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
@@ -63,20 +63,16 @@ class BenchEngine:
     largest bucket so a benchmark compiles one prefill shape.
     """
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params, num_pages: int | None = None):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params):
         self.config = config
         self.model_cfg = model_cfg
         mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
         self.params = sharding.shard_params(params, mesh)
         backend = resolve_backend(config.attention_backend)
-        self.sizing = kv_cache.plan_memory(config, model_cfg, jnp.dtype(config.dtype), config.max_model_len,
-                                           backend.name, kv_cache.fused_compression(backend, config))
-        num_pages = num_pages or self.sizing["num_pages"]
-        self.runner = ModelRunner(config, model_cfg, self.params, num_pages, config.max_model_len,
-                                  jnp.dtype(config.dtype), backend, mesh, (), self.sizing["num_query_slots"],
-                                  self.sizing["max_compression_pages"])
-        self.block_manager = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = make_scheduler(config, self.block_manager, self.sizing)
+        self.sizing = kv_cache.plan_memory(config, model_cfg, jnp.dtype(config.dtype), config.max_model_len, backend)
+        self.runner = ModelRunner(config, model_cfg, self.sizing, self.params, backend, mesh)
+        self.block_manager = BlockManager(self.sizing.num_pages, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config, self.sizing)
         self.in_flight = []
         self.finish_at_max_tokens = False  # the decode benchmark keeps its requests (and pages) to rewind them
         self.finished: list[Request] = []
@@ -237,7 +233,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     t = time.perf_counter()
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
     jax.block_until_ready(params)
-    engine = BenchEngine(config, model_cfg, params, num_pages)
+    engine = BenchEngine(config, model_cfg, params)
     del params  # the engine holds the serving layout
     progress(f"random params + KV pool ({num_pages} pages of {block_size}): {time.perf_counter() - t:.1f}s")
 
@@ -368,7 +364,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
                               attention_backend=attention_backend),
                   results=[])
     for mode, admission in variants:
-        config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, block_size=block_size,
+        config = EngineConfig.from_kwargs(f"random:{model_shape}", dtype=dtype, block_size=block_size,
                               max_model_len=prompt_len + output_len, max_num_seqs=min(max_num_seqs, num_requests),
                               max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
                               num_gpu_blocks_override=num_pages, attention_backend=attention_backend, seed=seed,
@@ -416,7 +412,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
             compression_time_share=engine.runner.compression_seconds / wall,
             num_compressions=sum(r.num_compressions for r in requests),
             num_swaps=engine.scheduler.num_swaps, num_preemptions=engine.scheduler.num_preemptions,
-            sizing=engine.sizing, history=history,
+            sizing=engine.sizing.as_dict(), history=history,
             tokens=[r.output_token_ids for r in requests])
         report["results"].append(row)
         progress(f"{mode:>5} {admission:>11}: {row['tokens_per_s']:9.1f} tok/s, {steps} steps, host "
@@ -553,14 +549,14 @@ def main(argv=None):
     sched.add_argument("--png", help="write the metrics plot here")
     startup = sub.add_parser("startup", help="LLM(...) + warmup() time, programs, and compiles after warm-up")
     startup.add_argument("--model", required=True, help="HF checkpoint directory")
-    startup.add_argument("--engine-options", default="{}", help="engine keyword arguments as JSON")
     startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
     startup.add_argument("--json", help="append the report here (one JSON object a line)")
+    startup.set_defaults(engine_fields=add_engine_options(startup))
     args = parser.parse_args(argv)
     if args.benchmark == "scheduling":
         return _scheduling_main(args)
     if args.benchmark == "startup":
-        report = startup_benchmark(args.model, json.loads(args.engine_options), args.workload)
+        report = startup_benchmark(args.model, engine_kwargs(args, args.engine_fields), args.workload)
         print(f"LLM() {report['init_s']:.1f}s + warmup() {report['compile_s']:.1f}s = ready in "
               f"{report['ready_s']:.1f}s; {report['programs']} programs; {report['compiles_after_warmup']} compiles "
               f"during a mixed workload of {report['workload_requests']} requests")

@@ -10,7 +10,7 @@ import os
 import types
 import typing
 
-from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES
+from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -38,18 +38,7 @@ class EngineConfig:
     # Compressed PagedAttention (off = full-KV mode, the vLLM-like baseline)
     compression: bool = False
     kv_budget_blocks: int = 8
-    eviction_policy: str = "zipage"
-    window: int = 16
-    sink_tokens: int = 0
-    global_score: bool = True
-    decay: float = 0.8
-    pooling: bool = True
-    pooling_width: int = 5
-    pooling_first_only: bool = True
-    redundancy: str = "lightning"
-    redundancy_weight: float = 0.8
-    similarity_threshold: float = 0.5
-    redundancy_temperature: float = 0.4
+    scoring: ScoringConfig = ScoringConfig()  # eviction policy and its knobs; kwargs and flags name them flat
     # Scheduling of compressed requests (docs/ARCHITECTURE.md, Compression: concurrency)
     num_query_slots: int | None = None  # C; None = as many as the memory sizing allows
     hybrid_admission: bool = True
@@ -60,7 +49,8 @@ class EngineConfig:
     def __post_init__(self):
         def check(ok, field, why):
             if not ok:
-                raise ValueError(f"{field}: {why} (got {getattr(self, field)!r})")
+                value = getattr(self.scoring if field in SCORING_FIELDS else self, field)
+                raise ValueError(f"{field}: {why} (got {value!r})")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
@@ -91,23 +81,24 @@ class EngineConfig:
         check(isinstance(self.attention_backend, str), "attention_backend", "must be a string")
         check(isinstance(self.compression, bool), "compression", "must be a bool")
         check(is_int(self.kv_budget_blocks) and self.kv_budget_blocks >= 1, "kv_budget_blocks", "must be an int >= 1")
-        check(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", f"must be one of {EVICTION_POLICIES}")
-        check(is_int(self.window) and 1 <= self.window <= self.block_size, "window",
-              "must be an int in [1, block_size]")
-        check(is_int(self.sink_tokens) and self.sink_tokens >= 0, "sink_tokens", "must be an int >= 0")
-        check(self.sink_tokens + self.window <= self.kv_budget_blocks * self.block_size, "sink_tokens",
+        check(isinstance(self.scoring, ScoringConfig), "scoring", "must be a ScoringConfig")
+        sc = self.scoring
+        check(sc.eviction_policy in EVICTION_POLICIES, "eviction_policy", f"must be one of {EVICTION_POLICIES}")
+        check(is_int(sc.window) and 1 <= sc.window <= self.block_size, "window", "must be an int in [1, block_size]")
+        check(is_int(sc.sink_tokens) and sc.sink_tokens >= 0, "sink_tokens", "must be an int >= 0")
+        check(sc.sink_tokens + sc.window <= self.kv_budget_blocks * self.block_size, "sink_tokens",
               "sink_tokens + window must fit in kv_budget_blocks * block_size")
         for name in ("global_score", "pooling", "pooling_first_only"):
-            check(isinstance(getattr(self, name), bool), name, "must be a bool")
-        check(isinstance(self.decay, (int, float)) and 0 <= self.decay <= 1, "decay", "must be in [0, 1]")
-        check(is_int(self.pooling_width) and self.pooling_width >= 1 and self.pooling_width % 2 == 1,
+            check(isinstance(getattr(sc, name), bool), name, "must be a bool")
+        check(isinstance(sc.decay, (int, float)) and 0 <= sc.decay <= 1, "decay", "must be in [0, 1]")
+        check(is_int(sc.pooling_width) and sc.pooling_width >= 1 and sc.pooling_width % 2 == 1,
               "pooling_width", "must be a positive odd int")
-        check(self.redundancy in REDUNDANCY_MODES, "redundancy", f"must be one of {REDUNDANCY_MODES}")
-        check(isinstance(self.redundancy_weight, (int, float)) and 0 <= self.redundancy_weight <= 1,
+        check(sc.redundancy in REDUNDANCY_MODES, "redundancy", f"must be one of {REDUNDANCY_MODES}")
+        check(isinstance(sc.redundancy_weight, (int, float)) and 0 <= sc.redundancy_weight <= 1,
               "redundancy_weight", "must be in [0, 1]")
-        check(isinstance(self.similarity_threshold, (int, float)) and -1 <= self.similarity_threshold <= 1,
+        check(isinstance(sc.similarity_threshold, (int, float)) and -1 <= sc.similarity_threshold <= 1,
               "similarity_threshold", "must be in [-1, 1]")
-        check(isinstance(self.redundancy_temperature, (int, float)) and self.redundancy_temperature > 0,
+        check(isinstance(sc.redundancy_temperature, (int, float)) and sc.redundancy_temperature > 0,
               "redundancy_temperature", "must be > 0")
 
         check(self.num_query_slots is None or (is_int(self.num_query_slots)
@@ -123,12 +114,36 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
-        """Build from engine kwargs; an unknown key raises ``TypeError`` listing the valid ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        """Build from flat engine kwargs (``window=8`` fills ``scoring.window``); an unknown key raises
+        ``TypeError`` listing the valid ones."""
+        unknown = sorted(set(kwargs) - set(option_fields()) - {"scoring"})
         if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known - {'model'})}")
-        return cls(model=model, **kwargs)
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(option_fields())}")
+        knobs = {name: kwargs.pop(name) for name in SCORING_FIELDS if name in kwargs}
+        scoring = dataclasses.replace(kwargs.pop("scoring", ScoringConfig()), **knobs)
+        return cls(model=model, scoring=scoring, **kwargs)
+
+
+    def options(self) -> dict:
+        """The config as flat engine options (the inverse of ``from_kwargs``), ``model`` first: what reports
+        record."""
+        return {"model": self.model, **{name: getattr(self.scoring if name in SCORING_FIELDS else self, name)
+                                        for name in option_fields()}}
+
+
+SCORING_FIELDS = tuple(f.name for f in dataclasses.fields(ScoringConfig))
+
+
+def option_fields() -> dict:
+    """The flat engine options, in order, name -> dataclass field: EngineConfig's except ``model``, with the
+    ``scoring`` field expanded into ScoringConfig's. Every CLI, ``from_kwargs`` and the README table use them."""
+    fields = {}
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "scoring":
+            fields.update((f.name, f) for f in dataclasses.fields(ScoringConfig))
+        elif field.name != "model":
+            fields[field.name] = field
+    return fields
 
 
 DESCRIPTIONS = {
@@ -194,35 +209,38 @@ def _optional(kind):
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
-    """One option per EngineConfig field except `model` (bools as --flag/--no-flag), described by
-    ``DESCRIPTIONS``; unset options keep the engine's default. Returns the field names."""
+    """One option per engine option (``option_fields``; bools as --flag/--no-flag), described by
+    ``DESCRIPTIONS``; unset options stay out of the namespace and keep the engine's default (so 'none' can
+    unset a field whose default is not None). Returns the option names."""
     group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
-    hints = typing.get_type_hints(EngineConfig)
+    hints = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ScoringConfig)}
     names = []
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
-            continue
-        kind, nullable = _field_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
-        text = (f"{DESCRIPTIONS[field.name]} (default: {field.default}"
+    for name, field in option_fields().items():
+        kind, nullable = _field_type(hints[name])
+        flag = "--" + name.replace("_", "-")
+        text = (f"{DESCRIPTIONS[name]} (default: {field.default}"
                 + ("; 'none' to unset)" if nullable else ")")).replace("%", "%%").replace("`", "")
         if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=text)
         else:
-            group.add_argument(flag, dest=field.name, type=_optional(kind) if nullable else kind, default=None,
-                               metavar=kind.__name__.upper(), help=text)
-        names.append(field.name)
+            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind,
+                               default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=text)
+        names.append(name)
     return names
+
+
+def engine_kwargs(args: argparse.Namespace, names: list[str]) -> dict:
+    """The engine options ``names`` (from ``add_engine_options``) that were set on the command line."""
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def reference_table() -> str:
     """The README's configuration reference: one markdown row per field."""
-    def default(field):
-        if field.name == "model":
-            return "shipped tiny model"
-        value = field.default
+    def default(value):
         return f"`{value}`" if isinstance(value, str) else str(value)
 
-    rows = ["| field | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | {default(f)} | {DESCRIPTIONS[f.name]} |" for f in dataclasses.fields(EngineConfig)]
+    rows = ["| field | default | meaning |", "|---|---|---|",
+            f"| `model` | shipped tiny model | {DESCRIPTIONS['model']} |"]
+    rows += [f"| `{name}` | {default(f.default)} | {DESCRIPTIONS[name]} |" for name, f in option_fields().items()]
     return "\n".join(rows)

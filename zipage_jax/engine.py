@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from tqdm import tqdm  # the text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from zipage_jax import kv_cache, sharding, weights
-from zipage_jax.attention import ShardedBackend, resolve_backend
+from zipage_jax.attention import resolve_backend, sharded
 from zipage_jax.block_manager import BlockManager
 from zipage_jax.compile_counter import CompileCounter
 from zipage_jax.config import EngineConfig
@@ -64,21 +64,18 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or limit
         backend = resolve_backend(config.attention_backend)
-        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend.name,
-                                           kv_cache.fused_compression(backend, config))
-        self.num_pages = self.sizing["num_pages"]
+        if config.tensor_parallel_size > 1:
+            backend = sharded(backend, self.mesh)
+        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend)
+        self.num_pages = self.sizing.num_pages
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        if config.tensor_parallel_size > 1:
-            backend = ShardedBackend(backend, self.mesh)
-        self.runner = ModelRunner(config, self.model_cfg, self.params, self.num_pages, self.max_model_len,
-                                  self.dtype, backend, self.mesh, self.eos_token_ids,
-                                  self.sizing["num_query_slots"], self.sizing["max_compression_pages"],
-                                  progress=log_compile)
+        self.runner = ModelRunner(config, self.model_cfg, self.sizing, self.params, backend, self.mesh,
+                                  self.eos_token_ids, progress=log_compile)
         self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = make_scheduler(config, self.block_manager, self.sizing)
+        self.scheduler = Scheduler(self.block_manager, config, self.sizing)
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -93,10 +90,9 @@ class LLMEngine:
         log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query slots, max concurrency %d (%d compressed, "
                  "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
                  "scratch (%d pages per batch) from a %s budget", self.num_pages, config.block_size,
-                 z["pool_bytes"] / 2**20, z["num_query_slots"], z["max_concurrency"],
-                 z["max_compressed_concurrency"], z["full_length_concurrency"], self.max_model_len,
-                 z["reserved_step_scratch_bytes"] / 2**20, z["reserved_compression_scratch_bytes"] / 2**20,
-                 z["max_compression_pages"], z["budget_source"])
+                 z.pool_bytes / 2**20, z.num_query_slots, z.max_concurrency, z.max_compressed_concurrency,
+                 z.full_length_concurrency, self.max_model_len, z.reserved_step_scratch_bytes / 2**20,
+                 z.reserved_compression_scratch_bytes / 2**20, z.max_compression_pages, z.budget_source)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -138,9 +134,9 @@ class LLMEngine:
         config = self.config
         if not config.compression:
             raise ValueError("kv_budget_blocks: the engine runs with compression off (start it with compression=True)")
-        if budget * config.block_size < config.window + config.sink_tokens:
+        if budget * config.block_size < config.scoring.window + config.scoring.sink_tokens:
             raise ValueError(f"kv_budget_blocks: {budget} pages of {config.block_size} tokens cannot hold the "
-                             f"protected window ({config.window}) and sinks ({config.sink_tokens})")
+                             f"protected window ({config.scoring.window}) and sinks ({config.scoring.sink_tokens})")
         if budget + 1 > self.num_pages - 1:
             raise ValueError(f"kv_budget_blocks: {budget} + 1 pages exceed the pool of {self.num_pages - 1}")
 
@@ -305,7 +301,7 @@ class LLMEngine:
             num_swaps=self.scheduler.num_swaps,
             num_query_slots=self.scheduler.num_query_slots,
             query_slots_used=self.scheduler.num_query_slots - len(self.scheduler.free_query_slots),
-            max_concurrency=self.sizing["max_concurrency"],
+            max_concurrency=self.sizing.max_concurrency,
         )
 
     def metrics_history(self) -> list[dict]:
@@ -324,12 +320,6 @@ class LLMEngine:
 
 def log_compile(done: int, total: int, name: str, seconds: float):
     log.info("compiling %d/%d: %s (%.1fs)", done, total, name, seconds)
-
-
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, sizing: dict) -> Scheduler:
-    return Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_seqs,
-                     config.compression, config.kv_budget_blocks, sizing["num_query_slots"], config.window,
-                     config.hybrid_admission, config.async_compression, sizing["max_compression_pages"] or None)
 
 
 class MetricsHistory:

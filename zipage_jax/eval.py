@@ -12,7 +12,6 @@ instead of a file, so the test split never needs to be stored. Every `EngineConf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -22,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from zipage_jax.answers import extract_boxed, is_correct, math_verify_available, reference_answer
-from zipage_jax.config import EngineConfig, add_engine_options
+from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs as set_engine_options
 
 QUESTION_KEYS = ("question", "problem")
 ANSWER_KEYS = ("answer", "solution")
@@ -157,7 +156,7 @@ def evaluate(llm, items: list[dict], samples: int = 1, seed: int = 0, system_pro
         "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
         "checker": "math_verify+boxed" if math_verify_available() else "boxed",
         "sampling": {**sampling, "seed": seed, "system_prompt": system_prompt},
-        "engine_config": dataclasses.asdict(llm.engine.config),
+        "engine_config": llm.engine.config.options(),
         "records": records,
     }
 
@@ -221,9 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
     if not Path(args.model).is_dir():
         parser.error(f"--model: no model directory at {args.model!r}")
-    engine_kwargs = {name: getattr(args, name) for name in engine_fields if getattr(args, name) is not None}
+    engine_kwargs = set_engine_options(args, engine_fields)
     try:
-        EngineConfig(model=args.model, **engine_kwargs)  # validate before loading anything
+        EngineConfig.from_kwargs(args.model, **engine_kwargs)  # validate before loading anything
     except ValueError as e:
         _option_error(parser, e)
     try:

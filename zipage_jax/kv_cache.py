@@ -4,10 +4,12 @@ Layout ``[L, num_pages, Hkv, S, D]`` for K and for V: a (page, head) tile is one
 what both the TMA loads of the kernels and per-head compaction want. Page 0 is the null page.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from zipage_jax import sharding
+from zipage_jax import attention, sharding
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
@@ -20,13 +22,14 @@ def page_bytes(model_cfg, block_size: int, dtype, with_score: bool = False) -> i
 
 def query_slot_bytes(model_cfg, config, dtype) -> int:
     """One row of the query cache: the last ``W`` post-RoPE queries of one request, all layers and heads."""
-    return model_cfg.num_layers * config.window * model_cfg.num_heads * model_cfg.head_dim * jnp.dtype(dtype).itemsize
+    c = model_cfg
+    return c.num_layers * config.scoring.window * c.num_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
 
 def device_free_bytes(device, utilization: float) -> int | None:
     """Memory the engine's caches and step scratch may take: ``utilization`` of the device limit minus what is
     already in use (weights); None where the device reports no limit (CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"] * utilization) - int(stats.get("bytes_in_use", 0))
@@ -67,21 +70,46 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
     c, slots = model_cfg, pages * config.block_size
     keys_and_similarities = c.head_dim * it + config.block_size * 4
     if fused:
-        per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.redundancy == "full" else 0))
+        per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.scoring.redundancy == "full" else 0))
     else:
         per_slot = c.num_kv_heads * (2 * c.head_dim * it + 8 * 4 + keys_and_similarities) + 2 * c.num_heads * 4
-    history = slots * c.num_kv_heads * 4 * 2 if config.global_score else 0
+    history = slots * c.num_kv_heads * 4 * 2 if config.scoring.global_score else 0
     return int(slots * per_slot + history)
 
 
-def fused_compression(backend, config) -> bool:
-    """Whether compression runs the backend's fused kernels (scratch without gathered K/V); tensor parallelism
-    wraps the backend, whose sharded compression takes the jnp / XLA path."""
-    return hasattr(backend, "compact_slots") and config.tensor_parallel_size == 1
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What ``plan_memory`` decided: the pool, the query slots and the concurrency they allow, and the bytes
+    behind each (the engine logs them; the server's metrics report them)."""
+
+    max_model_len: int
+    dtype: jnp.dtype  # of the KV pool and the query cache
+    budget_source: str  # num_gpu_blocks_override, kv_cache_memory_bytes, device or cpu_default
+    budget_bytes: int | None
+    reserved_step_scratch_bytes: int
+    reserved_compression_scratch_bytes: int
+    reserved_swap_bytes: int
+    step_scratch_bytes: int
+    compression_scratch_bytes: int
+    page_bytes: int
+    num_pages: int
+    pool_bytes: int
+    query_slot_bytes: int
+    num_query_slots: int  # C (0 with compression off): the one place this is decided
+    query_cache_bytes: int
+    max_compression_pages: int  # 0 with compression off
+    pages_per_seq: int
+    max_concurrency: int
+    max_compressed_concurrency: int
+    full_length_concurrency: int
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready numbers (the dtype by name)."""
+        return {**dataclasses.asdict(self), "dtype": jnp.dtype(self.dtype).name}
 
 
-def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str = "reference",
-                fused_compression: bool = False) -> dict:
+def plan_memory(config, model_cfg, dtype, max_model_len: int,
+                backend: attention.AttentionBackend = attention.REFERENCE) -> MemoryPlan:
     """Pool size, query slots ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression:
     concurrency).
 
@@ -92,7 +120,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str 
     """
     S, M = config.block_size, config.kv_budget_blocks
     pages_per_seq = -(-max_model_len // S)
-    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.global_score)
+    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score)
     slot = query_slot_bytes(model_cfg, config, dtype) if config.compression else 0
     max_comp = 0
     if config.compression:
@@ -100,10 +128,10 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str 
         if max_comp < pages_per_seq:
             raise ValueError(f"max_compression_pages: {max_comp} cannot hold the {pages_per_seq} pages of one "
                              f"request of max_model_len={max_model_len}")
-    step = step_scratch_bytes(model_cfg, config, dtype, max_model_len, backend_name)
+    step = step_scratch_bytes(model_cfg, config, dtype, max_model_len, backend.name)
     comp = 0
     if config.compression:
-        comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, fused_compression)
+        comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, backend.fused_compression)
     swap = (M + 1) * per_page + slot if config.compression else 0
     reserved, source = 0, "num_gpu_blocks_override"
     if config.num_gpu_blocks_override is not None:
@@ -140,8 +168,9 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int, backend_name: str 
         concurrency = config.max_num_seqs
     else:
         concurrency = slots
-    return dict(
-        budget_source=source, budget_bytes=budget, reserved_step_scratch_bytes=step if reserved else 0,
+    return MemoryPlan(
+        max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
+        reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
         step_scratch_bytes=step, compression_scratch_bytes=comp,
         page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
@@ -168,15 +197,15 @@ def allocate_compression_state(model_cfg, config, num_pages: int, num_query_slot
     ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
     layers = model_cfg.num_layers
     if config.compression:
-        q_shape = (layers, num_query_slots + 1, config.window, model_cfg.num_heads, model_cfg.head_dim)
+        q_shape = (layers, num_query_slots + 1, config.scoring.window, model_cfg.num_heads, model_cfg.head_dim)
     else:
         q_shape = (1, 1, 1, 1, 1)
-    if config.compression and config.global_score:
+    if config.compression and config.scoring.global_score:
         s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.block_size)
     else:
         s_shape = (1, 1, 1, 1)
     q_sharding = sharding.query_head_sharding(mesh) if config.compression else sharding.replicated(mesh)
-    s_sharding = sharding.kv_head_sharding(mesh) if config.compression and config.global_score \
+    s_sharding = sharding.kv_head_sharding(mesh) if config.compression and config.scoring.global_score \
         else sharding.replicated(mesh)
     make = jax.jit(lambda: (jnp.zeros(q_shape, dtype), jnp.zeros(s_shape, jnp.float32)),
                    out_shardings=(q_sharding, s_sharding))

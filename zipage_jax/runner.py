@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax import kv_cache, packing, sharding
-from zipage_jax.compression import CompressionPlan, ScoringConfig, compress
+from zipage_jax.attention import AttentionBackend
+from zipage_jax.compression import CompressionPlan, compress
+from zipage_jax.config import EngineConfig
+from zipage_jax.models.config import ModelConfig
 from zipage_jax.models import PagedBatch, forward_paged
 from zipage_jax.programs import Program, Programs
 from zipage_jax.request import PENDING
@@ -45,12 +48,6 @@ def compiler_options(rows: int) -> dict:
     if jax.default_backend() == "gpu" and rows >= CUBLAS_MIN_ROWS:
         return {**COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
     return COMPILER_OPTIONS
-
-
-def scoring_config(config) -> ScoringConfig:
-    """The static scoring knobs of the engine config (same names, but ``eviction_policy`` → ``policy``)."""
-    names = {f.name for f in dataclasses.fields(ScoringConfig)} - {"policy"}
-    return ScoringConfig(policy=config.eviction_policy, **{name: getattr(config, name) for name in names})
 
 
 def bucket_sizes(smallest: int, largest: int, factor: int = 2) -> list[int]:
@@ -122,34 +119,33 @@ def _swap_scatter(k_pool, v_pool, score_cache, query_cache, pages, query_slot, k
 
 
 class ModelRunner:
-    def __init__(self, config, model_cfg, params, num_pages: int, max_model_len: int, dtype, backend, mesh,
-                 eos_token_ids=(), num_query_slots: int | None = None, max_compression_pages: int | None = None,
-                 progress=None):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, plan: kv_cache.MemoryPlan, params,
+                 backend: AttentionBackend, mesh, eos_token_ids=(), progress=None):
         self.config = config
         self.model_cfg = model_cfg
         self.params = params
         self.backend = backend
         self.page_size = config.block_size
-        self.num_pages = num_pages
-        self.pages_per_seq = -(-max_model_len // config.block_size)
+        self.num_pages = num_pages = plan.num_pages
+        self.pages_per_seq = plan.pages_per_seq
         self.eos_token_ids = tuple(eos_token_ids)
-        self.k_pool, self.v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, dtype,
+        self.k_pool, self.v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, plan.dtype,
                                                           sharding.kv_head_sharding(mesh))
         self.sink_slot = config.max_num_seqs  # rows that sample nothing write here
         self.compression = config.compression
         self.async_compression = config.async_compression
-        self.window = config.window
-        self.num_query_slots = num_query_slots or config.max_num_seqs
+        self.window = config.scoring.window
+        self.num_query_slots = plan.num_query_slots
         self.query_sink = self.num_query_slots  # rows of requests without a query slot store their queries here
-        self.max_compression_pages = max_compression_pages or self.pages_per_seq * config.max_num_seqs
+        self.max_compression_pages = plan.max_compression_pages
         self.query_cache, self.score_cache = kv_cache.allocate_compression_state(
-            model_cfg, config, num_pages, self.num_query_slots, dtype, mesh)
-        self.scoring = scoring_config(config)
+            model_cfg, config, num_pages, self.num_query_slots, plan.dtype, mesh)
+        self.scoring = config.scoring
         self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
                                  static_argnames=("spec",), donate_argnums=(0, 1, 2))
-        history = config.compression and config.global_score
+        history = config.compression and config.scoring.global_score
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
         self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history), donate_argnums=(0, 1, 2, 3))
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)

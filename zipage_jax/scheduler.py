@@ -27,9 +27,14 @@ host waits for it, and its requests decode in the same step.
 import bisect
 import collections
 import dataclasses
+import typing
 
 from zipage_jax.block_manager import BlockManager
 from zipage_jax.request import Request, RequestStatus
+
+if typing.TYPE_CHECKING:  # the scheduler is plain Python: no jax import for its annotations
+    from zipage_jax.config import EngineConfig
+    from zipage_jax.kv_cache import MemoryPlan
 
 
 @dataclasses.dataclass
@@ -76,21 +81,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_prefill_seqs: int, compression: bool = False, kv_budget_blocks: int = 8,
-                 num_query_slots: int | None = None, window: int = 16, hybrid_admission: bool = True,
-                 async_compression: bool = True, max_compression_pages: int | None = None):
+    def __init__(self, block_manager: BlockManager, config: "EngineConfig", plan: "MemoryPlan"):
+        """``plan`` gives the query slots and the compression bound (``max_compression_pages``; None: none)."""
         self.block_manager = block_manager
-        self.compression = compression
-        self.kv_budget_blocks = kv_budget_blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_prefill_seqs = max_num_prefill_seqs
-        self.window = window
-        self.hybrid_admission = hybrid_admission
-        self.async_compression = async_compression
-        self.max_compression_pages = max_compression_pages
-        self.num_query_slots = (num_query_slots or max_num_seqs) if compression else 0
+        self.compression = config.compression
+        self.kv_budget_blocks = config.kv_budget_blocks
+        self.max_num_seqs = max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_prefill_seqs = config.max_num_prefill_seqs
+        self.window = config.scoring.window
+        self.hybrid_admission = config.hybrid_admission
+        self.async_compression = config.async_compression
+        self.max_compression_pages = plan.max_compression_pages
+        self.num_query_slots = plan.num_query_slots
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zipage_jax import prometheus
 from zipage_jax.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
-from zipage_jax.config import add_engine_options
+from zipage_jax.config import add_engine_options, engine_kwargs
 from zipage_jax.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from zipage_jax.sampling import SamplingParams
 
@@ -429,10 +429,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in args.engine_fields if getattr(args, name) is not None}
-
-
 def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -442,7 +438,7 @@ def main(argv: list[str] | None = None):
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     from zipage_jax.engine import LLMEngine  # imported late so --help needs no accelerator runtime
 
-    engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args))
+    engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args, args.engine_fields))
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                      served_model_name=args.served_model_name, warmup=args.warmup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,7 +1,7 @@
 """Tensor parallelism: one mesh axis ``tp`` over attention heads and the MLP's hidden dimension.
 
 Parameters, the KV pool and the query/score caches get NamedShardings and XLA (GSPMD) partitions the jitted
-steps; the attention kernels run per shard inside ``shard_map`` (see ``attention.ShardedBackend``).
+steps; the attention kernels run per shard inside ``shard_map`` (see ``attention.sharded``).
 With one device this is the identity: the same code path serves both.
 """
 

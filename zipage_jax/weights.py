@@ -1,5 +1,8 @@
 """Model weights: HF safetensors -> Params, orbax save/restore of converted Params, random init.
 
+The engine reads safetensors at every start: restoring an orbax checkpoint of the converted Params was measured
+slower (BENCHMARKS.md, Weight loading), so there is no weights cache.
+
 Loading streams one stacked field at a time (host buffer -> device -> released) so peak host memory is one
 field, never two copies of the model.
 """
@@ -9,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import mmap
-import os
 from pathlib import Path
 
 import jax
@@ -218,23 +220,3 @@ def restore_params(directory, cfg: ModelConfig, device=None) -> Params:
             if shape is not None:
                 abstract[field] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)
         return checkpointer.restore(directory, params_from_flat(abstract))
-
-
-def load_params(path, dtype=jnp.bfloat16, cache_dir=None) -> tuple[ModelConfig, Params]:
-    """(config, Params) of a HF checkpoint directory.
-
-    With `cache_dir`, the converted Params are kept as an orbax checkpoint `cache_dir/<dtype>` and restored
-    from there on later calls (much faster than re-reading safetensors).
-    """
-    path = Path(path)
-    cfg = ModelConfig.from_pretrained(path)
-    dtype_name = jnp.dtype(dtype).name
-    if cache_dir is None:
-        return cfg, load_hf_weights(path, cfg, dtype)
-    cached = Path(cache_dir) / dtype_name
-    if cached.is_dir():
-        return cfg, restore_params(cached, cfg)
-    params = load_hf_weights(path, cfg, dtype)
-    os.makedirs(cached.parent, exist_ok=True)
-    save_params(params, cached)
-    return cfg, params

@@ -13,20 +13,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import gather_request_kv
+from pallas_kernels.reference import NORM_FLOOR, gather_request_kv
 
 POLICIES = ("zipage", "window")
 REDUNDANCY_MODES = ("off", "lightning", "full")
-NORM_FLOOR = 1e-6  # key norms are clamped here before the cosine similarity
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoringConfig:
-    """Static scoring knobs (hashable: a jit static argument). Values are validated by the engine config."""
+    """Static scoring knobs (hashable: a jit static argument), nested once in ``EngineConfig.scoring``, which
+    validates them; the engine's kwargs and CLI flags name them flat (``eviction_policy=``, ``--window``)."""
 
+    eviction_policy: str = "zipage"
     window: int = 16
     sink_tokens: int = 0
-    policy: str = "zipage"
     global_score: bool = True
     decay: float = 0.8
     pooling: bool = True
@@ -40,7 +40,7 @@ class ScoringConfig:
     @property
     def tracks_history(self) -> bool:
         """Whether the score cache is read (decayed history) and written (kept slots' scores)."""
-        return self.policy == "zipage" and self.global_score
+        return self.eviction_policy == "zipage" and self.global_score
 
 
 def _live_mask(num_live, num_slots):
@@ -87,11 +87,6 @@ def paged_window_attention(k_pool, layer, page_tables, num_live, queries, sm_sca
     return window_attention(gather_request_kv(k_pool, layer, page_tables), queries, num_live, sm_scale)
 
 
-def window_scorer(backend):
-    """The attention backend's fused window-attention kernel (its ``window_scores``) if it has one, else jnp."""
-    return getattr(backend, "window_scores", None) or paged_window_attention
-
-
 def global_scores(attention, history, has_history, decay):
     """G = max(A, decay * G_old) where the slot has history (``has_history [B, N]``), else A."""
     return jnp.where(has_history[:, None, :], jnp.maximum(attention, decay * history), attention)
@@ -109,6 +104,11 @@ def max_pool(scores, num_live, width):
 
 
 def redundancy_row_sums(keys, num_live, page_size, cfg: ScoringConfig):
+    """``_row_sums`` with the knobs of ``cfg``."""
+    return _row_sums(keys, num_live, page_size, cfg.similarity_threshold, cfg.redundancy == "full")
+
+
+def _row_sums(keys, num_live, page_size, threshold, full: bool):
     """Raw R-KV style key redundancy ``[B, Hkv, N]``: each live slot's similarity row sum over its candidates.
 
     Cosine similarity s(m, n) of the keys over a candidate set U (the slot's own page for "lightning", all
@@ -118,7 +118,6 @@ def redundancy_row_sums(keys, num_live, page_size, cfg: ScoringConfig):
     f32 per step. The jnp path and oracle of the backends' ``lightning_row_sums`` kernel.
     """
     batch, num_kv_heads, num_slots, _ = keys.shape
-    full = cfg.redundancy == "full"
     slots = jnp.arange(num_slots)
     live = _live_mask(num_live, num_slots)
     norms = jnp.sqrt(jnp.sum(jnp.square(keys.astype(jnp.float32)), axis=-1))
@@ -139,7 +138,7 @@ def redundancy_row_sums(keys, num_live, page_size, cfg: ScoringConfig):
         sim = sim * inv_rows[..., :, None] * inv_cols[..., None, :]
         pair = live_rows[:, None, :, None] & live_cols[:, None, None, :] & (row_ids[:, None] != col_ids[None, :])
         sim = jnp.where(pair, sim, 0.0)
-        latest = jnp.max(jnp.where(pair & (sim > cfg.similarity_threshold), row_ids[:, None], -1), axis=2)
+        latest = jnp.max(jnp.where(pair & (sim > threshold), row_ids[:, None], -1), axis=2)
         sim = jnp.where(row_ids[:, None] == latest[:, :, None, :], 0.0, sim)
         row_sums = jnp.sum(sim, axis=-1)
         if full:
@@ -163,14 +162,23 @@ def redundancy_scores(keys, num_live, page_size, cfg: ScoringConfig):
     return redundancy_softmax(redundancy_row_sums(keys, num_live, page_size, cfg), num_live, page_size, cfg)
 
 
-def paged_redundancy_scores(k_pool, layer, page_tables, num_src_pages, cfg: ScoringConfig, backend=None):
-    """R of the requests' first ``num_src_pages`` full pages in ``page_tables`` of one pool layer: lightning row
-    sums by the backend's fused kernel (``lightning_row_sums``) where it has one, else from gathered keys."""
+def paged_lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold):
+    """Lightning ``redundancy_row_sums`` of the requests' first ``num_pages`` full pages in ``page_tables`` of one
+    pool layer: the jnp path (CPU and oracle) of the backends' fused ``lightning_row_sums`` kernel, same
+    signature."""
+    page_size = k_pool.shape[3]
+    keys = gather_request_kv(k_pool, layer, page_tables)
+    return _row_sums(keys, num_pages * page_size, page_size, threshold, full=False)
+
+
+def paged_redundancy_scores(k_pool, layer, page_tables, num_src_pages, cfg: ScoringConfig,
+                            lightning_row_sums=paged_lightning_row_sums):
+    """R of the requests' first ``num_src_pages`` full pages in ``page_tables`` of one pool layer: "lightning" row
+    sums by ``lightning_row_sums`` (a backend's kernel or the jnp path), "full" ones from gathered keys."""
     page_size = k_pool.shape[3]
     num_live = num_src_pages * page_size
-    kernel = getattr(backend, "lightning_row_sums", None) if cfg.redundancy == "lightning" else None
-    if kernel is not None:
-        row_sums = kernel(k_pool, layer, page_tables, num_src_pages, cfg.similarity_threshold)
+    if cfg.redundancy == "lightning":
+        row_sums = lightning_row_sums(k_pool, layer, page_tables, num_src_pages, cfg.similarity_threshold)
     else:
         row_sums = redundancy_row_sums(gather_request_kv(k_pool, layer, page_tables), num_live, page_size, cfg)
     return redundancy_softmax(row_sums, num_live, page_size, cfg)

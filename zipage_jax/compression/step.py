@@ -8,10 +8,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from zipage_jax.compression.compaction import compact_slots, scatter_slots
+from zipage_jax import attention
+from zipage_jax.compression.compaction import scatter_slots
 from zipage_jax.compression.scoring import (
-    POLICIES, REDUNDANCY_MODES, ScoringConfig, paged_redundancy_scores, protect, recency_scores, window_scorer,
-    zipage_scores,
+    POLICIES, REDUNDANCY_MODES, ScoringConfig, paged_redundancy_scores, protect, recency_scores, zipage_scores,
 )
 from zipage_jax.compression.selection import select_slots
 
@@ -38,11 +38,11 @@ class CompressionPlan:
 
 def _check(k_pool, score_cache, query_cache, plan, cfg):
     num_layers, _, num_kv_heads, page_size, head_dim = k_pool.shape
-    if cfg.policy not in POLICIES:
-        raise ValueError(f"cfg.policy: must be one of {POLICIES} (got {cfg.policy!r})")
+    if cfg.eviction_policy not in POLICIES:
+        raise ValueError(f"cfg.eviction_policy: must be one of {POLICIES} (got {cfg.eviction_policy!r})")
     if cfg.redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"cfg.redundancy: must be one of {REDUNDANCY_MODES} (got {cfg.redundancy!r})")
-    if cfg.policy == "zipage":
+    if cfg.eviction_policy == "zipage":
         if query_cache.ndim != 5 or query_cache.shape[0] != num_layers or query_cache.shape[2] != cfg.window \
                 or query_cache.shape[3] % num_kv_heads or query_cache.shape[4] != head_dim:
             raise ValueError(f"query_cache: expected [{num_layers}, C, {cfg.window}, Hq, {head_dim}] with Hq a "
@@ -61,27 +61,29 @@ def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, 
     batch, num_pages_per_row = plan.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
     num_slots = num_pages_per_row * page_size
-    if cfg.policy == "window":
+    if cfg.eviction_policy == "window":
         score = recency_scores(batch, num_kv_heads, num_slots)
         history = jnp.zeros_like(score)
     else:
         ring = (plan.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
         queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
-        attention = window_scorer(backend)(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size,
-                                           queries, sm_scale)
+        attn = backend.window_scores(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size, queries,
+                                     sm_scale)
         redundancy = None
         if cfg.redundancy != "off":
-            redundancy = paged_redundancy_scores(k_pool, layer, plan.src_tables, plan.num_src_pages, cfg, backend)
+            redundancy = paged_redundancy_scores(k_pool, layer, plan.src_tables, plan.num_src_pages, cfg,
+                                                 backend.lightning_row_sums)
         history = None
         if cfg.tracks_history:
-            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(attention.shape)
-        score, history = zipage_scores(attention, redundancy, history, plan.num_src_pages, plan.compressed_before,
+            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(attn.shape)
+        score, history = zipage_scores(attn, redundancy, history, plan.num_src_pages, plan.compressed_before,
                                        page_size, cfg)
     return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
 
 
 def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale, backend=None):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
+    backend = attention.REFERENCE if backend is None else backend
     _check(k_pool, score_cache, query_cache, plan, cfg)
     per_layer = jax.lax.map(
         lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)[0],
@@ -96,9 +98,9 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
 
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
-    nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the attention
-    backend: its fused window-scores, lightning-redundancy and in-place compaction kernels where it has them,
-    else jnp) static and the three caches donated.
+    nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the
+    ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run; None:
+    the jnp reference) static and the three caches donated.
     Every valid row must have ``num_src_pages >= M + 1`` full pages.
 
     Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
@@ -109,16 +111,15 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
     """
+    backend = attention.REFERENCE if backend is None else backend
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]
-    compactor = getattr(backend, "compact_slots", None) or compact_slots
-    threshold = getattr(backend, "selection_threshold", None)
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
         scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)
-        kept = select_slots(scores, keep, threshold)  # [B, Hkv, keep]
-        k_pool, v_pool = compactor(k_pool, v_pool, layer, kept, plan.src_tables, plan.dst_tables, plan.valid)
+        kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
+        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, plan.src_tables, plan.dst_tables, plan.valid)
         if cfg.tracks_history:
             kept_history = jnp.take_along_axis(history, kept, axis=2)
             score_cache = scatter_slots(score_cache, layer, kept_history, plan.dst_tables, plan.valid)

@@ -1,16 +1,17 @@
-"""CPU smoke test of the kernel benchmark's compression section (tiny shapes, scoring kernel interpreted):
-every row is measured without error and the kernel agrees with the jnp scoring."""
+"""CPU smoke test of the compression benchmark (tiny shapes, kernels interpreted): every row is measured without
+error and the kernels agree with the jnp path; and of the kernel benchmark's command line."""
 
 import json
 
 import pytest
 
-from pallas_kernels import bench
+from pallas_kernels import bench as kernel_bench
+from zipage_jax.compression import bench
 
 
 def test_compression_section_runs_on_cpu(tmp_path):
     out = tmp_path / "compression.json"
-    bench.main(["--sections", "compression", "--comp-model-shape", "tiny", "--comp-batch", "2",
+    bench.main(["--comp-model-shape", "tiny", "--comp-batch", "2",
                 "--comp-budget", "2", "--comp-page", "64", "--comp-reps", "1", "--interpret", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r]
@@ -36,5 +37,6 @@ def test_compression_section_runs_on_cpu(tmp_path):
 
 
 def test_unknown_section_raises():
-    with pytest.raises(ValueError, match="sections"):
-        bench.main(["--sections", "nope"])
+    for section in ("nope", "compression"):  # compression lives in zipage_jax.compression.bench
+        with pytest.raises(ValueError, match="sections"):
+            kernel_bench.main(["--sections", section])
