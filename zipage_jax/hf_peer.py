@@ -35,18 +35,24 @@ def build_model(spec):
 
 
 def run(spec) -> dict:
+    import inspect
+
     import torch
     import transformers
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     start = time.perf_counter()
     model = build_model(spec).eval()
     init_s = time.perf_counter() - start
     generation = GenerationConfig(do_sample=False, max_new_tokens=max(spec["max_tokens"]), eos_token_id=None)
-    batching = ContinuousBatchingConfig(page_size=spec["page_size"], max_requests_per_batch=spec["max_batch"])
+    options = dict(generation_config=generation, block=False, timeout=1)
+    if "continuous_batching_config" in inspect.signature(model.continuous_batching_context_manager).parameters:
+        from transformers import ContinuousBatchingConfig  # transformers >= 5.x with a separate batching config
+
+        options["continuous_batching_config"] = ContinuousBatchingConfig(page_size=spec["page_size"],
+                                                                         max_requests_per_batch=spec["max_batch"])
     counts, finished = {}, 0
-    with model.continuous_batching_context_manager(generation_config=generation, continuous_batching_config=batching,
-                                                   block=False, timeout=1) as manager:
+    with model.continuous_batching_context_manager(**options) as manager:
         ready_s = time.perf_counter() - start  # model + manager + CUDA-graph warm-up
         t0 = time.perf_counter()
         for prompt, max_tokens in zip(spec["prompts"], spec["max_tokens"]):

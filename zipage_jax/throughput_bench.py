@@ -23,6 +23,7 @@ same device (``zipage_jax.hf_peer``), before this process touches the accelerato
 """
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -385,36 +386,36 @@ def main(args) -> dict:
     from zipage_jax.config import EngineConfig
     from zipage_jax.engine import LLMEngine
 
-    params, model_dir = None, args.model
-    if model_dir is None:
-        t = time.perf_counter()
-        model_dir = random_model_dir(args.model_shape, os.path.join(tmp, "model"))
-        params = weights.init_random_params(model_cfg, jax.random.key(args.seed), jnp.dtype(model_cfg.dtype))
-        jax.block_until_ready(params)
-        print(f"random {args.model_shape} weights in device memory: {time.perf_counter() - t:.1f}s", flush=True)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) if params is not None else None
+    model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
+    dtype = jnp.dtype(model_cfg.dtype)
+    shapes = jax.eval_shape(lambda key: weights.init_random_params(model_cfg, key, dtype), jax.random.key(0))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     kv_bytes = None
     if args.num_pages is None:
-        gb = args.kv_cache_gb
-        if gb is None and weight_bytes is not None:
-            gb = (0.9 * 80e9 - weight_bytes) / 1e9
-        kv_bytes = int(gb * 1e9) if gb else None
+        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - weight_bytes) / 1e9
+        kv_bytes = int(gb * 1e9)
     options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
                    max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_blocks_override=args.num_pages,
                    attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
                    metrics_interval_steps=0)
-    report["config"] = dict(options, kv_budget_blocks=args.kv_budget_blocks, model=args.model or f"random:{args.model_shape}",
-                            device=str(jax.devices()[0]), device_kind=jax.devices()[0].device_kind,
-                            jax_version=jax.__version__, duration_s=args.duration)
+    report["config"] = dict(options, kv_budget_blocks=args.kv_budget_blocks,
+                            model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
+                            device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                            duration_s=args.duration)
 
     def make_engine(mode):
+        """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
         extra = dict(compression=True, kv_budget_blocks=args.kv_budget_blocks) if mode == "compressed" else {}
+        params = None
+        if not args.model:
+            params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)
         return LLMEngine(EngineConfig.from_kwargs(model_dir, **options, **extra), params=params)
 
     for mode in args.modes:
         report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
                                           args.sample_interval_s, progress=lambda line: print(line, flush=True)))
+        gc.collect()  # the engine's pool goes before the next mode allocates its own
         write()
     print(format_report(report))
     if args.png:
