@@ -556,13 +556,17 @@ def main(argv=None):
     startup.add_argument("--engine-options", default="{}", help="engine keyword arguments as JSON")
     startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
     startup.add_argument("--json", help="append the report here (one JSON object a line)")
-    from zipage_jax import throughput_bench
+    from zipage_jax import serving_bench, throughput_bench
 
     throughput_bench.add_arguments(sub.add_parser("throughput", help="compressed vs full-KV engine throughput on a "
                                                                      "named workload (and an HF peer)"))
+    serving_bench.add_arguments(sub.add_parser("serving", help="latency and goodput of a running server at given "
+                                                               "request rates; soak with client cancellations"))
     args = parser.parse_args(argv)
     if args.benchmark == "throughput":
         return throughput_bench.main(args), None
+    if args.benchmark == "serving":
+        return serving_bench.main(args), None
     if args.benchmark == "scheduling":
         return _scheduling_main(args)
     if args.benchmark == "startup":
