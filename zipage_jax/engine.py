@@ -334,7 +334,8 @@ def log_compile(done: int, total: int, name: str, seconds: float):
 def make_scheduler(config: EngineConfig, block_manager: BlockManager, sizing: dict) -> Scheduler:
     return Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_seqs,
                      config.compression, config.kv_budget_blocks, sizing["num_query_slots"], config.window,
-                     config.hybrid_admission, config.async_compression, sizing["max_compression_pages"] or None)
+                     config.hybrid_admission, config.async_compression, sizing["max_compression_pages"] or None,
+                     config.compression_min_batch, config.compression_max_wait_steps)
 
 
 class MetricsHistory:

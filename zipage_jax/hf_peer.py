@@ -47,10 +47,13 @@ def run(spec) -> dict:
     generation = GenerationConfig(do_sample=False, max_new_tokens=max(spec["max_tokens"]), eos_token_id=None)
     options = dict(generation_config=generation, block=False, timeout=1)
     if "continuous_batching_config" in inspect.signature(model.continuous_batching_context_manager).parameters:
-        from transformers import ContinuousBatchingConfig  # transformers >= 5.x with a separate batching config
+        from transformers import ContinuousBatchingConfig  # a separate batching config; its fields vary by version
 
-        options["continuous_batching_config"] = ContinuousBatchingConfig(page_size=spec["page_size"],
-                                                                         max_requests_per_batch=spec["max_batch"])
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        page = "page_size" if "page_size" in fields else "block_size"  # renamed in 5.17
+        wanted = {page: spec["page_size"], "max_requests_per_batch": spec["max_batch"]}
+        options["continuous_batching_config"] = ContinuousBatchingConfig(
+            **{k: v for k, v in wanted.items() if k in fields})
     counts, finished = {}, 0
     with model.continuous_batching_context_manager(**options) as manager:
         ready_s = time.perf_counter() - start  # model + manager + CUDA-graph warm-up
