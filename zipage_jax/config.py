@@ -180,8 +180,7 @@ DESCRIPTIONS = {
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "
                              "front; None = max(pages of `max_model_len`, min(`max_num_seqs`, 64) * (M+1))",
     "compression_min_batch": "due compressions wait (their requests skip decode steps) until this many are due "
-                             "together, so one dispatch serves several: a dispatch costs about the same at 1 row as "
-                             "at 4",
+                             "together, so fewer dispatches serve them",
     "compression_max_wait_steps": "most steps a due compression waits for `compression_min_batch` (0 = never waits)",
     "metrics_interval_steps": "steps between samples of `LLMEngine.metrics_history()` (0 = off)",
 }

@@ -18,9 +18,10 @@ pages of all holders fit in the pool (per-request budgets). The prefix cache nev
 (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
-rest stall a step). A batch is dispatched once ``compression_min_batch`` requests are due or one has waited
-``compression_max_wait_steps`` steps; until then the due requests stall (a dispatch costs about as much at one
-row as at four, and with many slot holders about one request falls due each step). Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
+rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all slot holders) are due or
+one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many slot holders
+about one request falls due each step, and a dispatch has a fixed cost (every layer's kernels) whatever its rows.
+Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
 requests are left out of this step's decode (they decode next step, after their compression in device stream
 order), and the pages it releases are deferred to the next step. Synchronous mode: the batch runs first, the
 host waits for it, and its requests decode in the same step.
@@ -174,9 +175,8 @@ class Scheduler:
         return out
 
     def _compression_batch_ready(self) -> bool:
-        """Whether this step dispatches the due compressions: enough are due together, or one has waited long
-        enough. A dispatch costs about as much at one row as at four, and with many slot holders about one
-        request is due a step: waiting a few steps (those requests skip their decode) batches them."""
+        """Whether this step dispatches the due compressions: enough are due together (or every slot holder is),
+        or one has waited long enough (see the module docstring)."""
         self._steps += 1
         if not self.compression or self.compression_max_wait_steps == 0 or self.compression_min_batch <= 1:
             return True

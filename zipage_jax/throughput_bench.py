@@ -285,17 +285,17 @@ def plot(report: dict, path: str):
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     (rate, conc), (occ, pages) = axes
-    for r in report["results"]:
-        h = r["history"]
+    for i, r in enumerate(report["results"]):
+        h, c = r["history"], f"C{i}"
         t = [x["time_s"] for x in h]
         gen = [x["generated"] for x in h]
         rates = [(g1 - g0) / max(t1 - t0, 1e-9) for t0, t1, g0, g1 in zip(t, t[1:], gen, gen[1:])]
-        rate.plot(t[1:], rates, label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
-        conc.plot(t, [x.get("num_running", 0) for x in h], label=f"{r['mode']} running")
-        conc.plot(t, [x.get("num_waiting", 0) for x in h], ":", label=f"{r['mode']} waiting")
-        occ.plot(t, [x.get("page_occupancy", 0) for x in h], label=r["mode"])
-        pages.plot(t, [x.get("pages_per_running_mean", 0) for x in h], label=f"{r['mode']} mean")
-        pages.plot(t, [x.get("pages_per_running_max", 0) for x in h], "--", label=f"{r['mode']} max")
+        rate.plot(t[1:], rates, c, label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
+        conc.plot(t, [x.get("num_running", 0) for x in h], c, label=f"{r['mode']} running")
+        conc.plot(t, [x.get("num_waiting", 0) for x in h], c, ls=":", label=f"{r['mode']} waiting")
+        occ.plot(t, [x.get("page_occupancy", 0) for x in h], c, label=r["mode"])
+        pages.plot(t, [x.get("pages_per_running_mean", 0) for x in h], c, label=f"{r['mode']} mean")
+        pages.plot(t, [x.get("pages_per_running_max", 0) for x in h], c, ls="--", label=f"{r['mode']} max")
     peer = report.get("peer") or {}
     if peer.get("tokens_per_s"):
         rate.axhline(peer["tokens_per_s"], color="k", ls=":", label=f"HF peer ({peer['tokens_per_s']:.0f} tok/s)")
@@ -304,7 +304,10 @@ def plot(report: dict, path: str):
         ax.set_title(title)
         ax.set_xlabel("s since the requests were added")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{report['workload']['name']}: {report['config']}", fontsize=8)
+    config = report["config"]
+    fig.suptitle(f"{report['workload']['name']}, {config['model']} on {config.get('device_kind')}: page "
+                 f"{config['block_size']}, M={config['kv_budget_blocks']}, {report['workload']['requests']} requests",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
