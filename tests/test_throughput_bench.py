@@ -70,3 +70,15 @@ def test_bad_workload_arguments_raise():
         throughput_bench.make_workload("nope", 4, 64, 16, 128, 512)
     with pytest.raises(ValueError, match="requests"):
         throughput_bench.make_workload("reasoning", 0, 64, 16, 128, 512)
+
+
+def test_a_failing_peer_is_reported_not_raised(tmp_path):
+    """The peer runs in a subprocess: without torch or a GPU (as here) it fails, and the report says why."""
+    import argparse
+
+    args = argparse.Namespace(model=None, model_shape="tiny", seed=0, block_size=16, max_num_seqs=4, peer_requests=2,
+                              peer_duration=1.0, peer_timeout=120.0)
+    w = throughput_bench.make_workload("reasoning", 4, 32, 16, 256, 256)
+    result = throughput_bench.run_peer(args, w, None, str(tmp_path))
+    assert result["name"] == "hf" and result["requests"] == 2
+    assert "tokens_per_s" not in result and result["error"]

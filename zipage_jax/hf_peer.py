@@ -19,7 +19,7 @@ def build_model(spec):
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if spec["model"]:
-        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, device_map="cuda")
+        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to("cuda")
     from zipage_jax.bench import MODEL_SHAPES
 
     s = MODEL_SHAPES[spec["model_shape"]]
