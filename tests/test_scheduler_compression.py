@@ -13,6 +13,7 @@ it ran — changes the output. Oracle: the same fake run with the request alone 
 import collections
 import zlib
 from types import SimpleNamespace
+import numpy as np
 
 from hypothesis import given, settings, strategies as st
 
@@ -21,7 +22,7 @@ from zipage_jax.compression import ScoringConfig
 from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
-from seeds import seeded_rng
+from seeds import fresh_seed, seeded_rng
 
 BLOCK = 4
 VOCAB = 3
@@ -107,12 +108,14 @@ class Driver:
 
     def __init__(self, num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2,
                  prefix_caching=True, budget=2, num_query_slots=2, hybrid=True, async_compression=True,
-                 max_compression_pages=None):
+                 max_compression_pages=None, compression_batching=(1, 0)):
         self.bm = BlockManager(num_pages, BLOCK, prefix_caching)
         config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_prefill_seqs=max_num_prefill_seqs, compression=True, kv_budget_blocks=budget,
                                  scoring=ScoringConfig(window=WINDOW), hybrid_admission=hybrid,
-                                 async_compression=async_compression)
+                                 async_compression=async_compression,
+                                 compression_min_batch=compression_batching[0],
+                                 compression_max_wait_steps=compression_batching[1])
         plan = SimpleNamespace(num_query_slots=num_query_slots, max_compression_pages=max_compression_pages)
         self.s = Scheduler(self.bm, config, plan)  # toy sizes EngineConfig would reject
         self.device = FakeDevice(self.bm, max_num_seqs, num_query_slots)
@@ -150,7 +153,8 @@ class Driver:
         self.in_flight = dispatched
         self.check_state()
         self.stats.update(compressions=len(out.compressions), swaps=len(out.swap_outs), stalls=len(out.stalled),
-                          recomputes=sum(not r.compressed for r in out.preempted))
+                          recomputes=sum(not r.compressed for r in out.preempted),
+                          compression_dispatches=bool(out.compressions))
         return out
 
     def check_schedule(self, out):
@@ -240,15 +244,16 @@ request_st = st.tuples(prompt_st, st.integers(1, 40), st.integers(0, 8), st.samp
        max_num_seqs=st.integers(1, 5), num_query_slots=st.integers(1, 3), token_budget=st.integers(2, 20),
        hybrid=st.booleans(), async_compression=st.booleans(), prefix_caching=st.booleans(),
        max_compression_pages=st.sampled_from([None, 8, 12]),
+       compression_batching=st.sampled_from([(1, 0), (2, 1), (4, 3)]),
        aborts=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 60)), max_size=2))
 def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_seqs, num_query_slots, token_budget,
                                                 hybrid, async_compression, prefix_caching, max_compression_pages,
-                                                aborts):
+                                                compression_batching, aborts):
     # the pages one request alone needs at its peak: its first compression point (Scheduler.first_due)
     peak = max(max(-(-len(head + tail) // BLOCK), (2 if b is None else b) + 1) for (head, tail), _, _, b in requests)
     num_pages = peak + 1 + extra_pages
     d = Driver(num_pages, max_num_seqs, token_budget, 2, prefix_caching, 2, min(num_query_slots, max_num_seqs),
-               hybrid, async_compression, max_compression_pages)
+               hybrid, async_compression, max_compression_pages, compression_batching)
     reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_blocks=b), i)
             for i, ((head, tail), m, _, b) in enumerate(requests)]
     arrivals = {r.request_id: a for r, (_, _, a, _) in zip(reqs, requests)}
@@ -330,6 +335,30 @@ def test_compression_batch_is_bounded_by_pages():
     assert d.stats["stalls"] > 0
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, 30, None)
+
+
+def test_compression_batches_wait_for_company_at_most_max_wait_steps():
+    """Requests falling due one after another are compressed in fewer dispatches when due ones wait for company;
+    none waits longer than the bound, and every request decodes what it decodes alone."""
+    seed = fresh_seed()
+    prompts = [np.random.default_rng(seed + i).integers(0, VOCAB, size=1 + 2 * i).tolist() for i in range(4)]
+    dispatches = {}
+    for batching in ((1, 0), (4, 3)):
+        d = Driver(num_pages=60, max_num_seqs=4, num_query_slots=4, budget=2, compression_batching=batching)
+        reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40), i) for i, p in enumerate(prompts)]
+        for r in reqs:
+            d.s.add(r)
+        streak, longest = {}, 0
+        while len(d.finished) < len(reqs):
+            out = d.step()
+            streak = {id(r): streak.get(id(r), 0) + 1 for r in out.stalled}  # slots are plenty: only batching stalls
+            longest = max([longest, *streak.values()])
+        assert longest <= batching[1], seed
+        for r in reqs:
+            assert r.output_token_ids == alone(r.prompt_token_ids, 40, None), seed
+        dispatches[batching] = (d.stats["compression_dispatches"], d.stats["compressions"])
+    (eager, eager_total), (batched, batched_total) = dispatches[(1, 0)], dispatches[(4, 3)]
+    assert eager_total == batched_total and batched < eager, (seed, dispatches)
 
 
 def test_async_and_sync_compression_produce_the_same_tokens():

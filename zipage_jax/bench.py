@@ -552,7 +552,17 @@ def main(argv=None):
     startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
     startup.add_argument("--json", help="append the report here (one JSON object a line)")
     startup.set_defaults(engine_fields=add_engine_options(startup))
+    from zipage_jax import serving_bench, throughput_bench
+
+    throughput_bench.add_arguments(sub.add_parser("throughput", help="compressed vs full-KV engine throughput on a "
+                                                                     "named workload (and an HF peer)"))
+    serving_bench.add_arguments(sub.add_parser("serving", help="latency and goodput of a running server at given "
+                                                               "request rates; soak with client cancellations"))
     args = parser.parse_args(argv)
+    if args.benchmark == "throughput":
+        return throughput_bench.main(args), None
+    if args.benchmark == "serving":
+        return serving_bench.main(args), None
     if args.benchmark == "scheduling":
         return _scheduling_main(args)
     if args.benchmark == "startup":

@@ -44,6 +44,8 @@ class EngineConfig:
     hybrid_admission: bool = True
     async_compression: bool = True
     max_compression_pages: int | None = None  # None = derived at start-up (see kv_cache.plan_memory)
+    compression_min_batch: int = 4
+    compression_max_wait_steps: int = 4
     metrics_interval_steps: int = 16
 
     def __post_init__(self):
@@ -109,6 +111,10 @@ class EngineConfig:
         check(self.max_compression_pages is None or (is_int(self.max_compression_pages)
                                                      and self.max_compression_pages >= 1),
               "max_compression_pages", "must be a positive int or None")
+        check(is_int(self.compression_min_batch) and self.compression_min_batch >= 1, "compression_min_batch",
+              "must be an int >= 1")
+        check(is_int(self.compression_max_wait_steps) and self.compression_max_wait_steps >= 0,
+              "compression_max_wait_steps", "must be an int >= 0")
         check(is_int(self.metrics_interval_steps) and self.metrics_interval_steps >= 0,
               "metrics_interval_steps", "must be an int >= 0 (0 = no history)")
 
@@ -188,6 +194,9 @@ DESCRIPTIONS = {
                          "next step); False = first, the host waits",
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "
                              "front; None = max(pages of `max_model_len`, min(`max_num_seqs`, 64) * (M+1))",
+    "compression_min_batch": "due compressions wait (their requests skip decode steps) until this many are due "
+                             "together, so fewer dispatches serve them",
+    "compression_max_wait_steps": "most steps a due compression waits for `compression_min_batch` (0 = never waits)",
     "metrics_interval_steps": "steps between samples of `LLMEngine.metrics_history()` (0 = off)",
 }
 

@@ -43,7 +43,9 @@ def resolve_dtype(name: str, model_cfg: ModelConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, params=None):
+        """``params``: weights already in memory (``weights.init_random_params`` of the checkpoint's shapes, for
+        benchmarks of random weights without writing them to disk); default: load ``config.model``'s."""
         self.config = config
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
@@ -57,8 +59,9 @@ class LLMEngine:
         self.model_name = pathlib.Path(config.model).name or config.model  # the id the server offers
         self.dtype = resolve_dtype(config.dtype, self.model_cfg)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size, self.model_cfg)
-        self.params = sharding.shard_params(weights.load_hf_weights(config.model, self.model_cfg, self.dtype),
-                                            self.mesh)
+        if params is None:
+            params = weights.load_hf_weights(config.model, self.model_cfg, self.dtype)
+        self.params = sharding.shard_params(params, self.mesh)
         limit = self.model_cfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
@@ -294,6 +297,7 @@ class LLMEngine:
             prefill_tokens_per_s=prefill / span if span else 0.0,
             decode_tokens_per_s=decode / span if span else 0.0,
             compression_time_share=self.history.compression_share(self),
+            steady_compression_time_share=self.history.steady_compression_share(self),
             num_requests_finished=self.totals["finished"],
             num_compressions=self.totals["compressions"],
             num_compiles=self.compile_counter.count,
@@ -314,6 +318,7 @@ class LLMEngine:
         ``progress(done, total, name, seconds)`` is called as each program finishes compiling (default: log it).
         Returns the number of programs and the wall seconds compiling them took."""
         report = self.runner.warmup(progress)
+        self.history.mark_steady(self)
         log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
         return report
 
@@ -332,10 +337,22 @@ class MetricsHistory:
         self.samples = collections.deque(maxlen=self.MAX_SAMPLES)
         self.start = time.perf_counter()
         self._last = (self.start, 0, 0.0)  # time, decode tokens, compression seconds
+        self._steady = (self.start, 0.0, 0.0)  # time, compression seconds, compile wall seconds
 
     def compression_share(self, engine) -> float:
         """Device seconds spent compressing per wall second since the engine started."""
         return engine.runner.compression_seconds / max(time.perf_counter() - self.start, 1e-9)
+
+    def mark_steady(self, engine):
+        """Steady state starts now (the end of warm-up): what came before is start-up."""
+        self._steady = (time.perf_counter(), engine.runner.compression_seconds, engine.runner.programs.compile_wall_s)
+
+    def steady_compression_share(self, engine) -> float:
+        """Device seconds spent compressing per wall second of steady state: since warm-up ended (or the engine
+        started, without one), less the time compiling programs met after it."""
+        then, compressing, compiling = self._steady
+        wall = time.perf_counter() - then - (engine.runner.programs.compile_wall_s - compiling)
+        return (engine.runner.compression_seconds - compressing) / max(wall, 1e-9)
 
     def maybe_sample(self, engine):
         steps = engine.totals["steps"]

@@ -19,6 +19,8 @@ ENGINE_METRICS = {
     "decode_tokens_per_s": ("zipage_decode_tokens_per_second", "gauge", "Recent decode throughput."),
     "compression_time_share": ("zipage_compression_time_share", "gauge",
                                "Fraction of step time spent compressing KV pages."),
+    "steady_compression_time_share": ("zipage_steady_compression_time_share", "gauge",
+                                      "Compression device seconds per second since warm-up, compiles excluded."),
     "num_requests_finished": ("zipage_requests_finished_total", "counter", "Requests the engine finished."),
 }
 

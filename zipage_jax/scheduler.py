@@ -18,7 +18,10 @@ pages of all holders fit in the pool (per-request budgets). The prefix cache nev
 (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
-rest stall a step). Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
+rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all slot holders) are due or
+one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many slot holders
+about one request falls due each step, and a dispatch has a fixed cost (every layer's kernels) whatever its rows.
+Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
 requests are left out of this step's decode (they decode next step, after their compression in device stream
 order), and the pages it releases are deferred to the next step. Synchronous mode: the batch runs first, the
 host waits for it, and its requests decode in the same step.
@@ -94,6 +97,8 @@ class Scheduler:
         self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
         self.num_query_slots = plan.num_query_slots
+        self.compression_min_batch = config.compression_min_batch
+        self.compression_max_wait_steps = config.compression_max_wait_steps
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order
@@ -104,6 +109,8 @@ class Scheduler:
         self.num_swaps = 0
         self.num_stalled = 0  # requests that could not advance in the last step (slot or compression bound)
         self._scheduled: set[int] = set()
+        self._steps = 0
+        self._due_since: dict[int, int] = {}  # id(request) -> step it became due, while its compression waits
 
     def add(self, request: Request):
         self.waiting.append(request)
@@ -121,6 +128,7 @@ class Scheduler:
         self._scheduled = set()
         budget = self.max_num_batched_tokens
         compression_pages = 0
+        compress_now = self._compression_batch_ready()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -139,8 +147,8 @@ class Scheduler:
                         continue
             if todo == 1 and self._due_for_compression(request):
                 pages = len(request.block_ids)
-                if self.max_compression_pages is not None and out.compressions \
-                        and compression_pages + pages > self.max_compression_pages:
+                if not compress_now or (self.max_compression_pages is not None and out.compressions
+                                        and compression_pages + pages > self.max_compression_pages):
                     out.stalled.append(request)  # the batch is full; compressed next step
                     i += 1
                     continue
@@ -167,6 +175,19 @@ class Scheduler:
                 self._admit(out, budget)
         self.num_stalled = len(out.stalled)
         return out
+
+    def _compression_batch_ready(self) -> bool:
+        """Whether this step dispatches the due compressions: enough are due together (or every slot holder is),
+        or one has waited long enough (see the module docstring)."""
+        self._steps += 1
+        if not self.compression or self.compression_max_wait_steps == 0 or self.compression_min_batch <= 1:
+            return True
+        due = [r for r in self.running if r.query_slot is not None and not r.reached_max_tokens
+               and r.num_tokens - r.num_computed_tokens == 1 and self._due_for_compression(r)]
+        self._due_since = {id(r): self._due_since.get(id(r), self._steps) for r in due}
+        holders = sum(r.query_slot is not None for r in self.running)  # only they fall due: no more company
+        return len(due) >= min(self.compression_min_batch, holders) or any(
+            self._steps - since >= self.compression_max_wait_steps for since in self._due_since.values())
 
     # -- query slots -------------------------------------------------------------------------------------
     def first_due(self, request: Request) -> int:

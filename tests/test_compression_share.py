@@ -1,0 +1,70 @@
+"""The steady-state compression share of ``metrics()`` leaves out warm-up and compile time; the share since start
+does not. A fake clock makes the wall times exact, so the oracle is plain arithmetic."""
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from helpers import mixed_workload
+from zipage_jax import LLM, engine as engine_module
+
+WARMUP_S, STEP_S = 1000.0, 0.5
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_steady_share_excludes_warmup(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    llm = LLM("tests/fixtures/hf/qwen3_untied", block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_blocks=2)
+    engine = llm.engine
+    warmup = engine.runner.warmup
+
+    def slow_warmup(progress=None):
+        clock.now += WARMUP_S  # a long warm-up: it must not dilute the steady share
+        return warmup(progress)
+
+    engine.runner.warmup = slow_warmup
+    llm.warmup(use_tqdm=False)
+    compiles = llm.metrics()["num_compiles"]
+    step, steps = engine.step, []
+
+    def timed_step(*args, **kwargs):
+        clock.now += STEP_S
+        steps.append(1)
+        return step(*args, **kwargs)
+
+    engine.step = timed_step
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts, params = mixed_workload(np.random.default_rng(seed), 250, 4, 60)
+    params = [dataclasses.replace(p, max_tokens=60 + p.max_tokens) for p in params]
+    llm.generate(prompts, params, use_tqdm=False)
+    m = llm.metrics()
+    compressing = engine.runner.compression_seconds
+    assert m["num_compiles"] == compiles and m["num_compressions"] > 0 and compressing > 0, seed
+    assert m["steady_compression_time_share"] == pytest.approx(compressing / (len(steps) * STEP_S), rel=1e-12), seed
+    assert m["compression_time_share"] == pytest.approx(compressing / (WARMUP_S + len(steps) * STEP_S),
+                                                        rel=1e-12), seed
+
+
+def test_steady_share_subtracts_compiles_after_warmup(monkeypatch):
+    """Programs compiled on first use after warm-up are start-up too (a stub engine: only the counters matter)."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    runner = types.SimpleNamespace(compression_seconds=0.0, programs=types.SimpleNamespace(compile_wall_s=0.0))
+    stub = types.SimpleNamespace(runner=runner)
+    history = engine_module.MetricsHistory(0)
+    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 100.0, 1.0, 5.0  # warm-up's share
+    history.mark_steady(stub)
+    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 200.0, 3.0, 25.0
+    assert history.steady_compression_share(stub) == pytest.approx(2.0 / (100.0 - 20.0))
+    assert history.compression_share(stub) == pytest.approx(3.0 / 200.0)

@@ -1,0 +1,94 @@
+"""`python -m zipage_jax.bench serving` against a real server (the shipped tiny model on CPU, loopback HTTP): its
+latency accounting, and a short soak with client cancellations after which the server's pages return."""
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from zipage_jax import bench, serving_bench
+from zipage_jax.engine import LLMEngine
+from zipage_jax.serve import create_app
+
+TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
+
+
+@contextlib.contextmanager
+def live_server(engine):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=8, block_size=16, max_model_len=256,
+                                   max_num_batched_tokens=64, max_num_prefill_seqs=4, dtype="float32",
+                                   num_gpu_blocks_override=64, compilation_cache_dir=None, compression=True,
+                                   kv_budget_blocks=2)
+    with live_server(engine) as address:
+        yield address
+
+
+COMMON = ["--block-size", "16", "--budget-tokens", "16", "--vocab-size", "128", "--max-model-len", "160"]
+
+
+def test_rates_report_latency_percentiles_and_goodput(url, tmp_path):
+    out = tmp_path / "serving.json"
+    report, _ = bench.main(["serving", "--url", url, "--rates", "50", "--requests", "6", "--slo-ttft", "1e9",
+                            "--slo-tpot", "1e9", "--json", str(out), *COMMON])
+    (row,) = report["rates"]
+    workload = report["workload"]
+    assert report["model"] == "tiny-reasoner" and out.stat().st_size > 0
+    assert row["requests"] == row["completed"] == 6 and row["errors"] == 0 and row["cancelled"] == 0
+    # every token was streamed and counted: the usage totals are the requests' max_tokens
+    assert row["output_tokens_per_s"] * row["wall_s"] == pytest.approx(workload["output_tokens_total"])
+    for key in ("ttft_s", "itl_s", "e2e_s", "tpot_s"):
+        d = row[key]
+        assert 0 <= d["p50"] <= d["p90"] <= d["p99"], key
+    assert row["ttft_s"]["p99"] <= row["e2e_s"]["p99"] and row["e2e_s"]["p99"] <= row["wall_s"]
+    assert row["goodput"] == pytest.approx(row["request_throughput"])  # SLOs nobody misses
+    strict = serving_bench.summarize([dict(r, ttft=1.0) for r in [_result(0.5, 4)]], 1.0, 1.0, 0.1, 1.0)
+    assert strict["goodput"] == 0 and strict["completed"] == 1  # a missed TTFT SLO is not goodput
+
+
+def _result(e2e, tokens):
+    return dict(start=0.0, ttft=0.1, e2e=e2e, itl=[0.1] * (tokens - 1), tpot=0.1, tokens=tokens, chunks=tokens,
+                max_tokens=tokens, error=None, cancelled=False)
+
+
+def test_soak_with_cancellations_returns_every_page(url):
+    import os
+
+    report, _ = bench.main(["serving", "--url", url, "--rates", "--requests", "8", "--soak", "3", "--soak-rate",
+                            "8", "--cancel-prob", "0.5", "--server-pid", str(os.getpid()), "--drain-timeout", "30",
+                            "--rss-tolerance-mb", "1e6", *COMMON])
+    soak = report["soak"]
+    assert soak["summary"]["cancelled"] > 0 and soak["summary"]["errors"] == 0
+    assert soak["client_aborts"] > 0  # the server saw the closed streams
+    assert soak["peak_kv_pages_used"] > 0 and soak["pages_returned"] and soak["idle_after"]
+    assert soak["kv_pages_used_after"] == soak["kv_pages_used_before"]
+    assert soak["rss_growth_second_half_mb"] is not None and soak["memory_flat"]
+
+
+def test_bad_arguments_raise(url):
+    with pytest.raises(ValueError, match="rates"):
+        bench.main(["serving", "--url", url, "--rates", "0", *COMMON])
+    with pytest.raises(ValueError, match="cancel_prob"):
+        bench.main(["serving", "--url", url, "--cancel-prob", "2", *COMMON])

@@ -1,0 +1,259 @@
+"""Online serving benchmark: drive a running ``zipage_jax.serve`` over HTTP, like vLLM's serving benchmark.
+
+    python -m zipage_jax.serve --compression ... &                    # the server under test
+    python -m zipage_jax.bench serving --url http://127.0.0.1:8000 --rates 1 2 4 --requests 64 --json out.json
+    python -m zipage_jax.bench serving --url ... --soak 300 --soak-rate 2 --cancel-prob 0.3 --server-pid PID
+
+Rates: for each request rate (requests/s), the workload's requests arrive as a Poisson process, each a streamed
+``/v1/completions`` call (token-id prompt, ``ignore_eos``, its own ``max_tokens``). Per rate: time to first token
+(TTFT), inter-token latency (ITL: the gaps between streamed chunks, each one token unless the server coalesced
+several), time per output token after the first (TPOT) and end-to-end latency, as mean and p50/p90/p99; request
+and output-token throughput; goodput: requests per second that met both SLOs (``--slo-ttft``, ``--slo-tpot``).
+
+Soak: requests at ``--soak-rate`` for ``--soak`` seconds, each cancelled by its client (the stream closed) with
+probability ``--cancel-prob`` after a random number of chunks. ``/metrics`` is sampled throughout; when the load
+stops and the server drains, the KV pages in use must return to their value before the load, and the server's
+resident memory (``--server-pid``, same machine) must stay flat: its growth over the second half of the soak is
+reported and checked against ``--rss-tolerance-mb``.
+"""
+
+import asyncio
+import json
+import re
+import time
+
+import numpy as np
+
+from zipage_jax.throughput_bench import WORKLOADS, make_workload
+
+PERCENTILES = (50, 90, 99)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to ``{name{labels}: value}``."""
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def server_rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def distribution(values) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return dict(mean=None, **{f"p{p}": None for p in PERCENTILES})
+    return dict(mean=float(np.mean(values)), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES})
+
+
+async def one_request(client, url: str, model: str, prompt, max_tokens: int, cancel_after: int | None) -> dict:
+    """One streamed completion; times its chunks. ``cancel_after``: close the stream after that many chunks."""
+    import httpx
+
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, ignore_eos=True, temperature=0.0,
+                stream_options=dict(include_usage=True))
+    start = time.perf_counter()
+    chunks, tokens, error, cancelled = [], None, None, False
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        break
+                    message = json.loads(data)
+                    if "error" in message:
+                        error = str(message["error"])
+                        break
+                    if message.get("usage"):
+                        tokens = message["usage"]["completion_tokens"]
+                    if message.get("choices"):
+                        chunks.append(time.perf_counter())
+                        if cancel_after is not None and len(chunks) >= cancel_after:
+                            cancelled = True
+                            break
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    end = time.perf_counter()
+    ttft = chunks[0] - start if chunks else None
+    done = error is None and not cancelled
+    tpot = (end - chunks[0]) / (tokens - 1) if done and chunks and tokens and tokens > 1 else None
+    return dict(start=start, ttft=ttft, e2e=end - start if done else None, itl=np.diff(chunks).tolist(),
+                tpot=tpot, tokens=tokens, chunks=len(chunks), max_tokens=max_tokens, error=error, cancelled=cancelled)
+
+
+async def drive(url: str, model: str, prompts, max_tokens, rate: float, seed: int, cancel_prob: float = 0.0,
+                until_s: float | None = None, on_tick=None) -> tuple[list[dict], float]:
+    """Poisson arrivals at ``rate``; with ``until_s``, arrivals cycle through the requests until then.
+    ``on_tick()`` is awaited about once a second while requests run. Returns (per-request results, wall s)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    tasks = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        next_at, i, last_tick = 0.0, 0, 0.0
+        while (until_s is None and i < len(prompts)) or (until_s is not None and next_at < until_s):
+            now = time.perf_counter() - start
+            if on_tick and now - last_tick >= 1.0:
+                last_tick = now
+                await on_tick()
+            if now < next_at:
+                await asyncio.sleep(min(next_at - now, 1.0))
+                continue
+            k = i % len(prompts)
+            cancel = int(rng.integers(1, max(2, max_tokens[k] // 2))) if rng.random() < cancel_prob else None
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompts[k], max_tokens[k], cancel)))
+            i += 1
+            next_at += rng.exponential(1.0 / rate)
+        pending = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if on_tick:
+                await on_tick()
+        return [t.result() for t in tasks], time.perf_counter() - start
+
+
+def summarize(results: list[dict], wall: float, rate: float, slo_ttft: float, slo_tpot: float) -> dict:
+    done = [r for r in results if r["e2e"] is not None]
+    good = [r for r in done if r["ttft"] <= slo_ttft and (r["tpot"] is None or r["tpot"] <= slo_tpot)]
+    output = sum(r["tokens"] or 0 for r in done)
+    return dict(rate=rate, requests=len(results), completed=len(done),
+                cancelled=sum(r["cancelled"] for r in results), errors=sum(r["error"] is not None for r in results),
+                error_examples=[r["error"] for r in results if r["error"]][:3], wall_s=wall,
+                request_throughput=len(done) / wall, output_tokens_per_s=output / wall, goodput=len(good) / wall,
+                goodput_fraction=len(good) / max(len(done), 1),
+                ttft_s=distribution(r["ttft"] for r in done), tpot_s=distribution(r["tpot"] for r in done),
+                itl_s=distribution(x for r in done for x in r["itl"]), e2e_s=distribution(r["e2e"] for r in done))
+
+
+async def fetch_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        return parse_metrics((await client.get(f"{url}/metrics")).text)
+
+
+async def model_name(url: str) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+
+
+async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
+    """Load with cancellations for ``args.soak`` seconds; pages back to baseline and flat memory after it."""
+    baseline = await fetch_metrics(url)
+    samples, start = [], time.perf_counter()
+
+    async def tick():
+        m = await fetch_metrics(url)
+        samples.append(dict(time_s=time.perf_counter() - start, kv_pages_used=m.get("zipage_kv_pages_used"),
+                            running=m.get("zipage_requests_running"), waiting=m.get("zipage_requests_waiting"),
+                            rss_bytes=server_rss_bytes(args.server_pid) if args.server_pid else None))
+
+    results, wall = await drive(url, model, prompts, max_tokens, args.soak_rate, args.seed + 1, args.cancel_prob,
+                                until_s=args.soak, on_tick=tick)
+    deadline = time.perf_counter() + args.drain_timeout  # the server aborts cancelled requests on its next steps
+    while True:
+        after = await fetch_metrics(url)
+        idle = after.get("zipage_requests_running", 0) == 0 and after.get("zipage_requests_waiting", 0) == 0
+        if (idle and after.get("zipage_kv_pages_used") == baseline.get("zipage_kv_pages_used")) \
+                or time.perf_counter() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    await tick()
+    rss = [s["rss_bytes"] for s in samples if s["rss_bytes"] is not None]
+    half = rss[len(rss) // 2:] if rss else []
+    growth = (max(half) - half[0]) / 1e6 if len(half) > 1 else None
+    aborts = "zipage_server_client_aborts_total"
+    return dict(soak_s=args.soak, rate=args.soak_rate, cancel_prob=args.cancel_prob,
+                summary=summarize(results, wall, args.soak_rate, args.slo_ttft, args.slo_tpot),
+                kv_pages_used_before=baseline.get("zipage_kv_pages_used"),
+                kv_pages_used_after=after.get("zipage_kv_pages_used"),
+                peak_kv_pages_used=max((s["kv_pages_used"] or 0 for s in samples), default=0),
+                pages_returned=after.get("zipage_kv_pages_used") == baseline.get("zipage_kv_pages_used"),
+                idle_after=idle, client_aborts=after.get(aborts, 0) - baseline.get(aborts, 0),
+                rss_growth_second_half_mb=growth,
+                memory_flat=None if growth is None else growth <= args.rss_tolerance_mb, samples=samples)
+
+
+def add_arguments(parser):
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="requests per second")
+    parser.add_argument("--requests", type=int, default=64, help="requests per rate")
+    parser.add_argument("--workload", choices=WORKLOADS, default="reasoning")
+    parser.add_argument("--block-size", type=int, default=16, help="scales the workload (the server's page size)")
+    parser.add_argument("--budget-tokens", type=int, default=64, help="scales the workload's output lengths")
+    parser.add_argument("--vocab-size", type=int, default=128, help="prompt token ids are drawn below this")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + output of a request at most")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on time to first token, seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on time per output token, seconds")
+    parser.add_argument("--soak", type=float, help="soak: seconds of load with random client cancellations")
+    parser.add_argument("--soak-rate", type=float, default=2.0)
+    parser.add_argument("--cancel-prob", type=float, default=0.3)
+    parser.add_argument("--server-pid", type=int, help="the server's process id (same machine): its RSS is sampled")
+    parser.add_argument("--rss-tolerance-mb", type=float, default=64.0)
+    parser.add_argument("--drain-timeout", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the report here")
+
+
+def main(args) -> dict:
+    for name in ("requests", "soak_rate", "block_size", "budget_tokens", "vocab_size"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name}: must be > 0 (got {getattr(args, name)})")
+    if any(r <= 0 for r in args.rates):
+        raise ValueError(f"rates: must be > 0 (got {args.rates})")
+    if not 0 <= args.cancel_prob <= 1:
+        raise ValueError(f"cancel_prob: must be in [0, 1] (got {args.cancel_prob})")
+    w = make_workload(args.workload, args.requests, args.budget_tokens, args.block_size, args.vocab_size,
+                      args.max_model_len, args.seed)
+    url = args.url.rstrip("/")
+    model = asyncio.run(model_name(url))
+    report = dict(benchmark="serving", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), url=url, model=model,
+                  workload=w.summary(), slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), rates=[], soak=None)
+
+    def write():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    for rate in args.rates:
+        results, wall = asyncio.run(drive(url, model, w.prompts, w.max_tokens, rate, args.seed))
+        row = summarize(results, wall, rate, args.slo_ttft, args.slo_tpot)
+        report["rates"].append(row)
+        print(format_rate(row), flush=True)
+        write()
+    if args.soak:
+        report["soak"] = asyncio.run(soak(url, model, w.prompts, w.max_tokens, args))
+        s = report["soak"]
+        print(f"soak {s['soak_s']:.0f}s at {s['rate']}/s: {s['summary']['requests']} requests, "
+              f"{s['summary']['cancelled']} cancelled, {s['client_aborts']:.0f} aborts seen by the server; pages "
+              f"{s['kv_pages_used_before']:.0f} -> peak {s['peak_kv_pages_used']:.0f} -> {s['kv_pages_used_after']:.0f} "
+              f"(returned: {s['pages_returned']}); RSS growth over the second half "
+              f"{s['rss_growth_second_half_mb']} MB (flat: {s['memory_flat']})", flush=True)
+        write()
+    return report
+
+
+def format_rate(r: dict) -> str:
+    def ms(d, key):
+        return "-" if d[key] is None else f"{d[key] * 1e3:.0f}"
+
+    return (f"rate {r['rate']:g}/s: {r['completed']}/{r['requests']} done, {r['errors']} errors, "
+            f"{r['output_tokens_per_s']:.1f} tok/s, goodput {r['goodput']:.2f} req/s | TTFT ms p50/p90/p99 "
+            f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p90')}/{ms(r['ttft_s'], 'p99')} | ITL "
+            f"{ms(r['itl_s'], 'p50')}/{ms(r['itl_s'], 'p90')}/{ms(r['itl_s'], 'p99')} | e2e "
+            f"{ms(r['e2e_s'], 'p50')}/{ms(r['e2e_s'], 'p90')}/{ms(r['e2e_s'], 'p99')}")

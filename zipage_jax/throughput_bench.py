@@ -1,0 +1,452 @@
+"""Offline throughput of the whole engine, compressed against full KV, through the public ``LLMEngine`` API.
+
+    python -m zipage_jax.bench throughput --workload reasoning --json out.json --png out.png [--peer hf]
+    python -m zipage_jax.bench throughput --small          # tiny random model on CPU, in seconds
+
+Each mode (``full``: compression off, the vLLM-like baseline; ``compressed``: Compressed PagedAttention) runs the
+same requests on a fresh engine in this process. Start-up (building the engine, ``warmup()``) is timed apart
+from generation; the generation window starts when the requests are added and ends when they finish or after
+``--duration`` seconds (the tokens generated so far count). Reported per mode:
+
+- generated tokens/s over the generation window (compiles met after warm-up subtracted: steady state), over
+  its second half (past the admission ramp and the first compressions), and including start-up;
+- running requests (mean over steps, peak), page occupancy, preemptions (recompute), swaps, stalled request-steps;
+- the steady-state compression share of device time (``metrics()["steady_compression_time_share"]``);
+- the HBM roofline fraction of the decode steps: (weight bytes + KV bytes of the pages in use) per decode step,
+  summed, over the window, against the peak bandwidth;
+- samples over time (throughput, concurrency, pages per running request) for the plots.
+
+Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random weights of a real model's shapes,
+made in device memory: ``weights.init_random_params``; the tokenizer is the shipped model's, prompts are ids).
+``--peer hf`` first runs the same requests through HF transformers' continuous batching in a subprocess on the
+same device (``zipage_jax.hf_peer``), before this process touches the accelerator.
+"""
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from zipage_jax.sampling import SamplingParams
+
+WORKLOADS = ("reasoning", "mixed", "prefix")
+MODES = ("full", "compressed")
+HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Requests as token ids and their output lengths (``ignore_eos``: a request's length is its ``max_tokens``)."""
+
+    name: str
+    prompts: list
+    max_tokens: list
+    description: str
+
+    def summary(self) -> dict:
+        prompt = [len(p) for p in self.prompts]
+        return dict(name=self.name, description=self.description, requests=len(self.prompts),
+                    prompt_tokens_mean=float(np.mean(prompt)), prompt_tokens_max=int(max(prompt)),
+                    output_tokens_mean=float(np.mean(self.max_tokens)),
+                    output_tokens_p50=float(np.percentile(self.max_tokens, 50)),
+                    output_tokens_p99=float(np.percentile(self.max_tokens, 99)),
+                    output_tokens_max=int(max(self.max_tokens)), output_tokens_total=int(sum(self.max_tokens)))
+
+
+def long_tail(rng, mean: float, count: int, low: int, high: int, sigma: float = 0.8) -> list[int]:
+    """Log-normal lengths of the given mean (before clipping to ``[low, high]``): reasoning traces are long-tailed."""
+    mu = math.log(mean) - sigma ** 2 / 2
+    return np.clip(rng.lognormal(mu, sigma, size=count), low, high).astype(int).tolist()
+
+
+def make_workload(name: str, num_requests: int, budget_tokens: int, block_size: int, vocab: int,
+                  max_model_len: int, seed: int = 0) -> Workload:
+    """A named workload, scaled by the KV budget ``M * S`` (tokens) and the page size.
+
+    - ``reasoning``: a shared system prefix (one page) plus a short question; outputs long-tailed with a mean of
+      4.5 budgets (each request is compressed several times; full KV cannot hold every request at full length);
+    - ``mixed``: short answers (under half a budget) interleaved with long reasoning outputs: admission matters;
+    - ``prefix``: four long shared prompts (4 pages each) plus a short question, outputs around one budget: the
+      prefix cache matters.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"workload: unknown {name!r}; have {WORKLOADS}")
+    if num_requests < 1:
+        raise ValueError(f"requests: must be >= 1 (got {num_requests})")
+    rng = np.random.default_rng(seed)
+
+    def ids(n):
+        return rng.integers(0, vocab, size=int(n)).tolist()
+
+    def fit(prompts, outputs):  # every request fits max_model_len
+        return [min(o, max_model_len - len(p)) for p, o in zip(prompts, outputs)]
+
+    if name == "reasoning":
+        system = ids(block_size)
+        prompts = [system + ids(n) for n in rng.integers(block_size // 8, block_size, size=num_requests)]
+        outputs = long_tail(rng, 4.5 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
+        text = f"shared {block_size}-token prefix + short question; long-tailed outputs, mean 4.5 x budget"
+    elif name == "mixed":
+        prompts = [ids(n) for n in rng.integers(block_size // 8, 2 * block_size, size=num_requests)]
+        short = rng.integers(16, max(17, budget_tokens // 2), size=num_requests).tolist()
+        long = long_tail(rng, 4.5 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
+        outputs = [s if i % 2 == 0 else t for i, (s, t) in enumerate(zip(short, long))]
+        text = "short answers (< budget/2) interleaved with long-tailed reasoning outputs (mean 4.5 x budget)"
+    else:
+        shared = [ids(4 * block_size) for _ in range(4)]
+        prompts = [shared[i % 4] + ids(n) for i, n in enumerate(rng.integers(8, block_size // 2, size=num_requests))]
+        outputs = long_tail(rng, budget_tokens, num_requests, 16, max_model_len)
+        text = f"4 shared {4 * block_size}-token prompts + short question; outputs mean 1 x budget"
+    return Workload(name, prompts, fit(prompts, outputs), text)
+
+
+# -- the engine under test ---------------------------------------------------------------------------------------
+def random_model_dir(shape: str, directory: str) -> str:
+    """An HF config of a ``bench.MODEL_SHAPES`` entry plus the shipped tokenizer: what ``LLMEngine`` reads besides
+    the weights (which come from memory)."""
+    from transformers import Qwen3Config
+
+    from zipage_jax.bench import MODEL_SHAPES
+    from zipage_jax.engine import DEFAULT_MODEL
+
+    s = MODEL_SHAPES[shape]
+    Qwen3Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+                head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps, rope_theta=s.rope_theta,
+                tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings,
+                eos_token_id=2, dtype=s.dtype).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pathlib.Path(DEFAULT_MODEL) / name, directory)
+    return directory
+
+
+def param_bytes(params, model_cfg, dtype) -> tuple[int, int]:
+    """(bytes of all weights, bytes a decode step reads: all but the embedding table unless it is tied)."""
+    import jax
+
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    embed = model_cfg.vocab_size * model_cfg.hidden_size * dtype.itemsize
+    return total, total if model_cfg.tie_word_embeddings else total - embed
+
+
+def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
+             sample_interval_s: float = 1.0, progress=print) -> dict:
+    """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``."""
+    from zipage_jax import kv_cache
+
+    t0 = time.perf_counter()
+    engine = make_engine(mode)
+    init_s = time.perf_counter() - t0
+    warm = engine.warmup() if warmup else dict(programs=0, compile_s=0.0)
+    startup_s = time.perf_counter() - t0
+    progress(f"{mode}: engine {init_s:.1f}s, warm-up {warm['compile_s']:.1f}s ({warm['programs']} programs)")
+    programs, compiles = engine.runner.programs, engine.compile_counter.count
+    compile_wall = programs.compile_wall_s
+    total_bytes, step_weight_bytes = param_bytes(engine.params, engine.model_cfg, engine.dtype)
+    page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.block_size, engine.dtype)
+    scheduler, bm = engine.scheduler, engine.block_manager
+    pages = bm.num_pages - 1
+
+    requests = []
+    start = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        request_id = f"{mode}-{i}"
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+        requests.append(engine.requests[request_id])
+
+    def generated():
+        return sum(len(r.output_logprobs) for r in requests)
+
+    samples, steps, running_sum, peak_running, occupancy_sum, peak_occupancy = [], 0, 0, 0, 0.0, 0.0
+    stalled, decode_steps, bytes_read = 0, 0, 0.0
+    last_sample = -math.inf
+    finished = 0
+    while engine.has_unfinished_requests():
+        decoded = engine.totals["decode_tokens"]
+        used = bm.num_used_pages
+        finished += len(engine.step(only_finished=True))
+        steps += 1
+        running = len(scheduler.running)
+        running_sum += running
+        peak_running = max(peak_running, running)
+        occupancy_sum += used / pages
+        peak_occupancy = max(peak_occupancy, used / pages)
+        stalled += scheduler.num_stalled
+        if engine.totals["decode_tokens"] > decoded:  # a decode step was read back: it read the weights and KV
+            decode_steps += 1
+            bytes_read += step_weight_bytes + used * page_bytes
+        now = time.perf_counter() - start
+        if now - last_sample >= sample_interval_s:
+            last_sample = now
+            held = [len(r.block_ids) for r in scheduler.running]
+            samples.append(dict(
+                time_s=now, generated=generated(), num_running=running, num_waiting=len(scheduler.waiting),
+                num_swapped=len(scheduler.swapped), num_stalled=scheduler.num_stalled, kv_pages_used=bm.num_used_pages,
+                page_occupancy=bm.num_used_pages / pages, query_slots_used=scheduler.num_query_slots
+                - len(scheduler.free_query_slots), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
+                pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
+                num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds))
+        if duration is not None and now >= duration:
+            break
+    wall = time.perf_counter() - start
+    tokens = generated()
+    samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
+    compile_after = programs.compile_wall_s - compile_wall
+    steady_wall = max(wall - compile_after, 1e-9)
+    half = next((s for s in samples if s["time_s"] >= wall / 2), samples[-1])
+    second_half_s = wall - half["time_s"]
+    metrics = engine.metrics()
+    peak_blocks = [r.peak_blocks for r in requests if r.peak_blocks]
+    row = dict(
+        mode=mode, init_s=init_s, warmup_s=warm["compile_s"], programs=warm["programs"], startup_s=startup_s,
+        compiles_after_warmup=engine.compile_counter.count - compiles, compile_s_after_warmup=compile_after,
+        generation_s=wall, complete=not engine.has_unfinished_requests(), requests_finished=finished,
+        generated_tokens=tokens, steps=steps, decode_steps=decode_steps,
+        tokens_per_s=tokens / steady_wall,
+        tokens_per_s_second_half=(tokens - half["generated"]) / second_half_s if second_half_s > 0 else None,
+        tokens_per_s_incl_startup=tokens / (startup_s + wall),
+        mean_running=running_sum / max(steps, 1), peak_running=peak_running,
+        mean_page_occupancy=occupancy_sum / max(steps, 1), peak_page_occupancy=peak_occupancy,
+        num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps, stalled_request_steps=stalled,
+        num_compressions=metrics["num_compressions"],
+        compression_time_share_steady=metrics["steady_compression_time_share"],
+        compression_time_share_since_start=metrics["compression_time_share"],
+        hbm_roofline_fraction=bytes_read / steady_wall / HBM_PEAK_BYTES_PER_S,
+        weight_bytes=total_bytes, page_bytes=page_bytes, kv_pages=pages,
+        num_query_slots=metrics["num_query_slots"], max_concurrency=metrics["max_concurrency"],
+        pages_per_request_peak_mean=float(np.mean(peak_blocks)) if peak_blocks else 0.0,
+        pages_per_request_peak=np.bincount(peak_blocks).tolist() if peak_blocks else [],
+        history=samples)
+    progress(format_row(row))
+    return row
+
+
+HEADER = (f"{'mode':>10} {'tok/s':>8} {'2nd half':>8} {'w/ start':>8} {'start s':>7} {'gen s':>6} {'tokens':>8} "
+          f"{'run avg':>7} {'peak':>5} {'occ':>5} {'preempt':>7} {'swaps':>5} {'stalls':>6} {'comp %':>6} "
+          f"{'roofline':>8} {'compiles':>8}")
+
+
+def format_row(r: dict) -> str:
+    second = r.get("tokens_per_s_second_half")
+    return (f"{r['mode']:>10} {r['tokens_per_s']:>8.1f} {second if second is not None else float('nan'):>8.1f} "
+            f"{r['tokens_per_s_incl_startup']:>8.1f} {r['startup_s']:>7.1f} {r['generation_s']:>6.1f} "
+            f"{r['generated_tokens']:>8d} {r['mean_running']:>7.1f} {r['peak_running']:>5d} "
+            f"{r['mean_page_occupancy']:>5.0%} {r['num_preemptions']:>7d} {r['num_swaps']:>5d} "
+            f"{r['stalled_request_steps']:>6d} {r['compression_time_share_steady']:>6.1%} "
+            f"{r['hbm_roofline_fraction']:>8.1%} {r['compiles_after_warmup']:>8d}")
+
+
+def format_report(report: dict) -> str:
+    lines = [f"throughput benchmark, workload {report['workload']['name']}: {report['workload']['description']}",
+             f"{report['workload']['requests']} requests, outputs mean {report['workload']['output_tokens_mean']:.0f} "
+             f"(p99 {report['workload']['output_tokens_p99']:.0f}) tokens; {report['config']}", HEADER]
+    lines += [format_row(r) for r in report["results"]]
+    ratios = report.get("ratios", {})
+    lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]
+    peer = report.get("peer")
+    if peer:
+        lines.append(f"peer {peer.get('name')}: " + (f"{peer['tokens_per_s']:.1f} tok/s, {peer['generated_tokens']} "
+                                                    f"tokens in {peer['generation_s']:.1f}s ({peer['requests']} requests)"
+                                                    if "tokens_per_s" in peer else f"failed: {peer.get('error')}"))
+    return "\n".join(lines)
+
+
+def ratios(results: list, peer: dict | None) -> dict:
+    by = {r["mode"]: r for r in results}
+    out = {}
+    if "full" in by and "compressed" in by:
+        full, comp = by["full"], by["compressed"]
+        out["compressed / full (steady)"] = comp["tokens_per_s"] / full["tokens_per_s"]
+        if comp["tokens_per_s_second_half"] and full["tokens_per_s_second_half"]:
+            out["compressed / full (second half)"] = (comp["tokens_per_s_second_half"]
+                                                      / full["tokens_per_s_second_half"])
+        out["compressed / full (incl. start-up)"] = (comp["tokens_per_s_incl_startup"]
+                                                     / full["tokens_per_s_incl_startup"])
+    if peer and peer.get("tokens_per_s") and "full" in by:
+        out["full / hf peer (steady)"] = by["full"]["tokens_per_s"] / peer["tokens_per_s"]
+    return out
+
+
+def plot(report: dict, path: str):
+    """Throughput and concurrency over time, page occupancy, and pages per running request, one colour a mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    (rate, conc), (occ, pages) = axes
+    for i, r in enumerate(report["results"]):
+        h, c = r["history"], f"C{i}"
+        t = [x["time_s"] for x in h]
+        gen = [x["generated"] for x in h]
+        rates = [(g1 - g0) / max(t1 - t0, 1e-9) for t0, t1, g0, g1 in zip(t, t[1:], gen, gen[1:])]
+        rate.plot(t[1:], rates, c, label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
+        conc.plot(t, [x.get("num_running", 0) for x in h], c, label=f"{r['mode']} running")
+        conc.plot(t, [x.get("num_waiting", 0) for x in h], c, ls=":", label=f"{r['mode']} waiting")
+        occ.plot(t, [x.get("page_occupancy", 0) for x in h], c, label=r["mode"])
+        pages.plot(t, [x.get("pages_per_running_mean", 0) for x in h], c, label=f"{r['mode']} mean")
+        pages.plot(t, [x.get("pages_per_running_max", 0) for x in h], c, ls="--", label=f"{r['mode']} max")
+    peer = report.get("peer") or {}
+    if peer.get("tokens_per_s"):
+        rate.axhline(peer["tokens_per_s"], color="k", ls=":", label=f"HF peer ({peer['tokens_per_s']:.0f} tok/s)")
+    for ax, title in ((rate, "generated tokens/s"), (conc, "requests"), (occ, "KV page occupancy"),
+                      (pages, "pages per running request")):
+        ax.set_title(title)
+        ax.set_xlabel("s since the requests were added")
+        ax.legend(fontsize=7)
+    config = report["config"]
+    fig.suptitle(f"{report['workload']['name']}, {config['model']} on {config.get('device_kind')}: page "
+                 f"{config['block_size']}, M={config['kv_budget_blocks']}, {report['workload']['requests']} requests",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+SMALL = dict(model=None, model_shape="tiny", block_size=16, kv_budget_blocks=2, requests=6, max_num_seqs=4,
+             max_num_batched_tokens=32, max_num_prefill_seqs=4, max_model_len=256, kv_cache_gb=None, num_pages=24,
+             duration=None, sample_interval_s=0.0, attention_backend="auto", peer=None, no_warmup=True)
+
+
+def add_arguments(parser):
+    parser.add_argument("--workload", choices=WORKLOADS, default="reasoning")
+    parser.add_argument("--small", action="store_true",
+                        help="random weights of the tiny shape on CPU, in seconds, compiling on first use (CI smoke "
+                             "of the code path and the report)")
+    parser.add_argument("--model", help="HF checkpoint directory (default: random weights of --model-shape)")
+    parser.add_argument("--model-shape", default="qwen3-8b", help="random weights of these shapes (bench.MODEL_SHAPES)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--kv-budget-blocks", type=int, default=8, help="M: the budget is M * block_size tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-prefill-seqs", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="KV pool and caches in GB (default: an 80 GB card after the weights, 0.9 x 80 GB - weights)")
+    parser.add_argument("--num-pages", type=int, help="KV pool in pages instead")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
+    parser.add_argument("--sample-interval-s", type=float, default=1.0)
+    parser.add_argument("--no-warmup", action="store_true", help="compile on first use (counted, not excluded)")
+    parser.add_argument("--peer", choices=["hf"], help="also run HF transformers' continuous batching (subprocess)")
+    parser.add_argument("--peer-requests", type=int, help="the first N requests of the workload for the peer")
+    parser.add_argument("--peer-duration", type=float, default=60.0, help="the peer's generation window, seconds")
+    parser.add_argument("--peer-timeout", type=float, default=240.0, help="kill the peer after this many seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the report here (rewritten after each mode)")
+    parser.add_argument("--png", help="write the plots here")
+
+
+def main(args) -> dict:
+    if args.small:
+        for key, value in SMALL.items():
+            setattr(args, key, value)
+    budget_tokens = args.kv_budget_blocks * args.block_size
+    from zipage_jax.bench import MODEL_SHAPES
+    from zipage_jax.models.config import ModelConfig
+
+    if args.model:
+        model_cfg = ModelConfig.from_pretrained(args.model)
+    elif args.model_shape in MODEL_SHAPES:
+        model_cfg = MODEL_SHAPES[args.model_shape]
+    else:
+        raise ValueError(f"model_shape: unknown {args.model_shape!r}; have {sorted(MODEL_SHAPES)}")
+    max_model_len = min(args.max_model_len, model_cfg.max_position_embeddings)
+    workload = make_workload(args.workload, args.requests, budget_tokens, args.block_size, model_cfg.vocab_size,
+                             max_model_len, args.seed)
+    tmp = tempfile.mkdtemp(prefix="zipage_throughput_")
+    report = dict(benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  workload=workload.summary(), config=None, results=[], peer=None, ratios={})
+
+    def write():
+        report["ratios"] = ratios(report["results"], report["peer"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    if args.peer:  # before this process allocates device memory
+        report["peer"] = run_peer(args, workload, model_cfg, tmp)
+        print(f"peer: {json.dumps({k: v for k, v in report['peer'].items() if k != 'history'})}", flush=True)
+        write()
+
+    import jax
+    import jax.numpy as jnp
+
+    from zipage_jax import weights
+    from zipage_jax.config import EngineConfig
+    from zipage_jax.engine import LLMEngine
+
+    model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
+    dtype = jnp.dtype(model_cfg.dtype)
+    shapes = jax.eval_shape(lambda key: weights.init_random_params(model_cfg, key, dtype), jax.random.key(0))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    kv_bytes = None
+    if args.num_pages is None:
+        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - weight_bytes) / 1e9
+        kv_bytes = int(gb * 1e9)
+    options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
+                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_blocks_override=args.num_pages,
+                   attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
+                   metrics_interval_steps=0)
+    report["config"] = dict(options, kv_budget_blocks=args.kv_budget_blocks,
+                            model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
+                            device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                            duration_s=args.duration)
+
+    def make_engine(mode):
+        """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
+        extra = dict(compression=True, kv_budget_blocks=args.kv_budget_blocks) if mode == "compressed" else {}
+        params = None
+        if not args.model:
+            params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)
+        return LLMEngine(EngineConfig.from_kwargs(model_dir, **options, **extra), params=params)
+
+    for mode in args.modes:
+        report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
+                                          args.sample_interval_s, progress=lambda line: print(line, flush=True)))
+        gc.collect()  # the engine's pool goes before the next mode allocates its own
+        write()
+    print(format_report(report))
+    if args.png:
+        plot(report, args.png)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def run_peer(args, workload: Workload, model_cfg, tmp: str) -> dict:
+    """HF transformers' continuous batching on the same requests, in a subprocess with a hard timeout."""
+    count = args.peer_requests or len(workload.prompts)
+    spec = dict(model=args.model, model_shape=None if args.model else args.model_shape, seed=args.seed,
+                prompts=workload.prompts[:count], max_tokens=workload.max_tokens[:count],
+                duration=args.peer_duration, page_size=args.block_size, max_batch=args.max_num_seqs)
+    spec_path, out_path = os.path.join(tmp, "peer_spec.json"), os.path.join(tmp, "peer_out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zipage_jax.hf_peer", spec_path, out_path],
+                              timeout=args.peer_timeout, capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        tail = f"timed out after {args.peer_timeout}s: " + str(e.stdout or "")[-1000:]
+    result = dict(name="hf", requests=count, wall_s=time.perf_counter() - start)
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            result.update(json.load(f))
+    if "tokens_per_s" not in result:
+        result["error"] = tail
+    return result
