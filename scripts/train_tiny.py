@@ -14,11 +14,11 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
 
 (the second stage ran as `bash scripts/gpu_train_and_eval.sh`: --train-seconds 380 chose 1880 steps at 195 ms).
 
-The interleaved-sums task was added in a third stage, warm-started from the second, on a batch split evenly
-between both tasks (`scripts/gpu_accuracy_lab.sh`; its log is the shipped train_log.json):
+The interleaved-sums task was added in a third stage, warm-started from the second, on batches one third
+repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_accuracy_lab.sh`; its log is the shipped train_log.json):
 
     PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init zipage_jax/assets/tiny-reasoner \
-        --tasks repeated_addition,interleaved_sums --batch 128 --lr 1e-3 --warmup 60 --steps STEPS
+        --tasks repeated_addition,interleaved_sums,interleaved_sums --batch 128 --lr 1e-3 --warmup 60 --steps STEPS
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
 --train-seconds) reproduces a run exactly.
@@ -38,8 +38,8 @@ import numpy as np
 import optax
 
 from zipage_jax.models import ModelConfig, Params, forward_dense
-from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
 from zipage_jax.tasks import TASKS, boxed_answer
+from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
 from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, VOCAB, encode_chat
 from zipage_jax.tasks.training_data import SEQ_LEN, answer_start, encode_batch, sample_visibility, visibility_mask
 from zipage_jax.weights import init_random_params, load_hf_weights
@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--tasks", default="repeated_addition",
-                   help=f"comma-separated tasks, each an equal share of every batch (of {sorted(TASKS)})")
+                   help=f"comma-separated tasks of {sorted(TASKS)}, each entry an equal share of every batch (a task "
+                        "named twice gets two shares)")
     p.add_argument("--evict-fraction", type=float, default=0.5, help="share of rows trained under eviction masks")
     p.add_argument("--answer-weight", type=float, default=10.0, help="loss weight of the \\boxed{...} tokens")
     p.add_argument("--eval-problems", type=int, default=500)
@@ -88,9 +89,11 @@ def parse_args(argv=None):
 
 
 def training_batch(tasks: list[str], batch: int, seed: int) -> list:
-    """`batch` train problems drawn from `seed`, split evenly between `tasks` (the first takes the remainder)."""
+    """`batch` train problems drawn from `seed`, split evenly between the entries of `tasks` (the first ones take
+    the remainder; each entry draws from its own seed, so a task named twice gets distinct problems)."""
     shares = [batch // len(tasks) + (i < batch % len(tasks)) for i in range(len(tasks))]
-    return [p for task, n in zip(tasks, shares) for p in TASKS[task](n, seed=seed, split="train")]
+    return [p for i, (task, n) in enumerate(zip(tasks, shares))
+            for p in TASKS[task](n, seed=seed * len(tasks) + i, split="train")]
 
 
 def architecture(args) -> dict:
@@ -273,7 +276,7 @@ def main(argv=None):
     save_hf_checkpoint(params, arch, out, dtype="bfloat16")
     t0 = time.time()
     log["eval"] = {}
-    for task in args.tasks:
+    for task in dict.fromkeys(args.tasks):
         problems = TASKS[task](args.eval_problems, seed=args.seed + 12345, split="test")
         log["eval"][task] = evaluate(params, cfg, problems, args.greedy_samples)
         print(task, json.dumps({k: v for k, v in log["eval"][task].items() if k != "samples"}), flush=True)

@@ -195,11 +195,9 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path) -> None:
-    """Accuracy against budget, a line per configuration, a panel per data set (full KV dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(report: dict, path=None):
+    """Accuracy against budget, a line per configuration, a panel per data set (full KV dashed). Saved to `path`
+    (and closed) when given; the figure is returned either way."""
     import matplotlib.pyplot as plt
 
     full = full_kv_rows(report)
@@ -222,8 +220,10 @@ def plot(report: dict, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    return fig
 
 
 # -- command line -----------------------------------------------------------------------------------------------
@@ -268,17 +268,22 @@ def main(argv: list[str] | None = None) -> dict:
         if args.output:
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             Path(args.output).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        if report["results"]:
-            done = report["results"][-1]
-            print(f"{done['config']}: engine built and run in {done['engine_seconds']:.1f}s", flush=True)
 
-    report = sweep(args.model, datasets, configs, budgets, base, args.max_tokens, on_config=write,
+    def done(report):
+        write(report)
+        last = report["results"][-1]
+        print(f"{last['config']}: engine built and run in {last['engine_seconds']:.1f}s", flush=True)
+
+    report = sweep(args.model, datasets, configs, budgets, base, args.max_tokens, on_config=done,
                    deadline_s=args.deadline_s, use_tqdm=args.progress)
     write(report)
     print(table(report))
     if report["skipped"]:
         print(f"skipped (deadline): {', '.join(report['skipped'])}")
     if args.plot and report["results"]:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a file, no display
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(report, args.plot)
         print(f"plot written to {args.plot}")
