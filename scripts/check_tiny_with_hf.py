@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     samples = [{"question": q.question, "answer": q.answer, "reference": q.solution()}
                for q in sample_problems(args.problems, seed=args.seed, split="test")]
     if args.log is not None:
-        samples += json.loads(args.log.read_text())["eval"]["samples"]
+        evals = json.loads(args.log.read_text())["eval"]  # one report, or one per task
+        samples += [s for report in (evals.values() if "samples" not in evals else [evals]) for s in report["samples"]]
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""Train the shipped tiny reasoning model (Qwen3 architecture) on the repeated-addition task.
+"""Train the shipped tiny reasoning model (Qwen3 architecture) on the synthetic tasks (`zipage_jax.tasks.TASKS`).
 
 Reproducible by seed: the init key, every batch and every visibility mask are functions of --seed and the
 step index. Each batch mixes plain causal rows (full KV) with eviction rows (whole sequences under a mask of
@@ -13,6 +13,12 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
         --batch 128 --lr 1e-3 --warmup 100 --steps 1880
 
 (the second stage ran as `bash scripts/gpu_train_and_eval.sh`: --train-seconds 380 chose 1880 steps at 195 ms).
+
+The interleaved-sums task was added in a third stage, warm-started from the second, on batches one third
+repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_accuracy_lab.sh`; its log is the shipped train_log.json):
+
+    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init zipage_jax/assets/tiny-reasoner \
+        --tasks repeated_addition,interleaved_sums,interleaved_sums --batch 128 --lr 1e-3 --warmup 60 --steps STEPS
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
 --train-seconds) reproduces a run exactly.
@@ -32,8 +38,8 @@ import numpy as np
 import optax
 
 from zipage_jax.models import ModelConfig, Params, forward_dense
+from zipage_jax.tasks import TASKS, boxed_answer
 from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
-from zipage_jax.tasks.repeated_addition import Problem, boxed_answer, sample_problems
 from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, VOCAB, encode_chat
 from zipage_jax.tasks.training_data import SEQ_LEN, answer_start, encode_batch, sample_visibility, visibility_mask
 from zipage_jax.weights import init_random_params, load_hf_weights
@@ -56,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--tasks", default="repeated_addition",
+                   help=f"comma-separated tasks of {sorted(TASKS)}, each entry an equal share of every batch (a task "
+                        "named twice gets two shares)")
     p.add_argument("--evict-fraction", type=float, default=0.5, help="share of rows trained under eviction masks")
     p.add_argument("--answer-weight", type=float, default=10.0, help="loss weight of the \\boxed{...} tokens")
     p.add_argument("--eval-problems", type=int, default=500)
@@ -66,11 +75,25 @@ def parse_args(argv=None):
                    help="shrink --steps to what fits in this wall time, measured after %d warm steps; the "
                         "chosen step count is printed, and --steps N with it reproduces the run" % TIMING_STEPS)
     args = p.parse_args(argv)
+    args.tasks = args.tasks.split(",")
+    unknown = sorted(set(args.tasks) - set(TASKS))
+    if unknown or not args.tasks:
+        raise ValueError(f"--tasks: unknown {unknown}; known: {sorted(TASKS)}")
+    if args.batch < len(args.tasks):
+        raise ValueError(f"--batch must be >= the number of tasks ({len(args.tasks)}), got {args.batch}")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
     if args.train_seconds is not None and args.warmup <= TIMING_STEPS + 4:
         raise ValueError(f"--warmup must exceed {TIMING_STEPS + 4} with --train-seconds (the sizing happens in warmup)")
     return args
+
+
+def training_batch(tasks: list[str], batch: int, seed: int) -> list:
+    """`batch` train problems drawn from `seed`, split evenly between the entries of `tasks` (the first ones take
+    the remainder; each entry draws from its own seed, so a task named twice gets distinct problems)."""
+    shares = [batch // len(tasks) + (i < batch % len(tasks)) for i in range(len(tasks))]
+    return [p for i, (task, n) in enumerate(zip(tasks, shares))
+            for p in TASKS[task](n, seed=seed * len(tasks) + i, split="train")]
 
 
 def architecture(args) -> dict:
@@ -160,7 +183,7 @@ def decode_text(ids) -> str:
     return "".join(out)
 
 
-def teacher_forced_scores(params, cfg, problems: list[Problem], evict_fraction: float, seed: int) -> dict:
+def teacher_forced_scores(params, cfg, problems: list, evict_fraction: float, seed: int) -> dict:
     """Share of problems whose greedy decoding reproduces the reference exactly, and share whose answer
     tokens come out right given the reference scratchpad, under masks drawn with `evict_fraction`."""
     tokens, weights = encode_batch(problems)
@@ -172,7 +195,7 @@ def teacher_forced_scores(params, cfg, problems: list[Problem], evict_fraction: 
     return {"exact": float(np.mean(hits.all(axis=1))), "answer_given_scratchpad": float(np.mean(answer))}
 
 
-def evaluate(params: Params, cfg: ModelConfig, problems: list[Problem], greedy_samples: int) -> dict:
+def evaluate(params: Params, cfg: ModelConfig, problems: list, greedy_samples: int) -> dict:
     """In f32 on the shipped (bf16) weights: teacher-forced exactness with full KV and under eviction masks on
     every problem; true greedy decoding (full KV) on the first `greedy_samples`."""
     shipped = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
@@ -225,7 +248,7 @@ def main(argv=None):
     step = 0
     while step < total:
         batch_seed = args.seed * 1_000_003 + step
-        problems = sample_problems(args.batch, seed=batch_seed, split="train")
+        problems = training_batch(args.tasks, args.batch, batch_seed)
         tokens, weights = encode_batch(problems, args.answer_weight)
         window, keep = sample_visibility(problems, np.random.default_rng(batch_seed), args.evict_fraction)
         lr = jnp.float32(learning_rate(step, total, args))
@@ -252,10 +275,12 @@ def main(argv=None):
 
     save_hf_checkpoint(params, arch, out, dtype="bfloat16")
     t0 = time.time()
-    log["eval"] = evaluate(params, cfg, sample_problems(args.eval_problems, seed=args.seed + 12345, split="test"),
-                           args.greedy_samples)
+    log["eval"] = {}
+    for task in dict.fromkeys(args.tasks):
+        problems = TASKS[task](args.eval_problems, seed=args.seed + 12345, split="test")
+        log["eval"][task] = evaluate(params, cfg, problems, args.greedy_samples)
+        print(task, json.dumps({k: v for k, v in log["eval"][task].items() if k != "samples"}), flush=True)
     log["eval_seconds"] = round(time.time() - t0, 1)
-    print(json.dumps({k: v for k, v in log["eval"].items() if k != "samples"}), flush=True)
     (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(f"wrote {out}", flush=True)
 

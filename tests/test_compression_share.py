@@ -9,6 +9,7 @@ import pytest
 
 from helpers import mixed_workload
 from zipage_jax import LLM, engine as engine_module
+from seeds import fresh_seed
 
 WARMUP_S, STEP_S = 1000.0, 0.5
 
@@ -44,7 +45,7 @@ def test_steady_share_excludes_warmup(monkeypatch):
         return step(*args, **kwargs)
 
     engine.step = timed_step
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed()
     prompts, params = mixed_workload(np.random.default_rng(seed), 250, 4, 60)
     params = [dataclasses.replace(p, max_tokens=60 + p.max_tokens) for p in params]
     llm.generate(prompts, params, use_tqdm=False)

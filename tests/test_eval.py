@@ -11,7 +11,7 @@ from zipage_jax import answers
 from zipage_jax.answers import extract_boxed, is_correct, math_verify_match, reference_answer
 from zipage_jax.config import option_fields
 from zipage_jax.eval import build_parser, format_prompt, load_items, main, parse_jsonl, synthetic_items
-from zipage_jax.tasks import sample_problems
+from zipage_jax.tasks import TASKS, sample_problems
 
 MODEL = "tests/fixtures/hf/qwen3"  # random weights, character tokenizer, no chat template
 
@@ -116,8 +116,13 @@ def test_synthetic_items_come_from_the_task_generator():
     assert items == [{"question": p.question, "answer": p.answer} for p in problems]
     assert all(is_correct(p.solution(), item["answer"]) for p, item in zip(problems, items))
     assert synthetic_items("synthetic:test:4") == synthetic_items("synthetic:test:4:0")
+    assert synthetic_items("synthetic:repeated_addition:test:4") == synthetic_items("synthetic:test:4")
+    moving = synthetic_items("synthetic:interleaved_sums:test:5:2")
+    problems = TASKS["interleaved_sums"](5, 2, "test")
+    assert moving == [{"question": p.question, "answer": p.answer} for p in problems]
+    assert all(is_correct(p.solution(), item["answer"]) for p, item in zip(problems, moving))
     for bad in ("synthetic:test", "synthetic:dev:5", "synthetic:test:zero", "synthetic:test:0",
-                "synthetic:test:5:1:2"):
+                "synthetic:test:5:1:2", "synthetic:interleaved_sums:test", "synthetic:other_task:test:5"):
         with pytest.raises(ValueError, match="data: "):
             synthetic_items(bad)
 

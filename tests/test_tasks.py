@@ -1,12 +1,14 @@
-"""The repeated-addition task: determinism, disjoint splits, verified solutions, lengths, tokenizer."""
+"""The synthetic tasks: determinism, disjoint splits, verified solutions, lengths, tokenizer."""
 
+import itertools
 import re
 
 import numpy as np
 import pytest
 
-from zipage_jax.tasks import Problem, boxed_answer, sample_problems
+from zipage_jax.tasks import TASKS, Problem, boxed_answer, interleaved_sums, sample_problems
 from zipage_jax.tasks.tokenizer import IM_END_ID, build_tokenizer, chat_prompt, encode_chat, save_tokenizer
+from seeds import seeded_rng
 
 
 def test_sampling_is_deterministic_by_seed():
@@ -71,3 +73,50 @@ def test_tokenizer_is_char_level_and_matches_encode_chat(tmp_path):
     assert tok.decode(full, skip_special_tokens=True) == re.sub(r"<\|[a-z_]+\|>", "", text) + p.solution()
     raw = build_tokenizer().encode("a b\n9").ids
     assert len(raw) == 5
+
+
+# ---------------------------------------------------------------- interleaved sums (importance moves)
+
+def test_interleaved_solution_alternates_blocks_and_sums_both_products():
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 30))
+    problems = interleaved_sums.sample_problems(60, seed=seed, split="train")
+    assert problems == interleaved_sums.sample_problems(60, seed=seed, split="train")
+    for p in problems:
+        text = p.solution()
+        assert boxed_answer(text) == str(p.a * p.b + p.c * p.d), seed
+        lines = text.split("\n")[:-1]
+        total = lines.pop()
+        assert total.startswith("S:") and int(total[2:][::-1]) == p.a * p.b + p.c * p.d
+        counters = {"X": 0, "Y": 0}
+        names = []
+        for line in lines:
+            name, counter, digits = line[0], int(line[1:3]), line[4:]
+            counters[name] += 1
+            assert counter == counters[name] and line[3] == ":" and len(digits) == 7
+            assert int(digits[::-1]) == counter * (p.a if name == "X" else p.c)
+            names.append(name)
+        assert counters == {"X": p.b, "Y": p.d}
+        runs = [len(list(group)) for _, group in itertools.groupby(names)]
+        assert names[0] == "X" and all(r == interleaved_sums.BLOCK for r in runs[:-2])
+        # the lines read after a gap: each run's last line
+        ends = list(np.cumsum(runs) - 1)
+        assert p.recalled_lines() == ends
+
+
+def test_interleaved_splits_lengths_and_bad_inputs():
+    train = {p.question for p in interleaved_sums.sample_problems(3000, seed=0, split="train")}
+    test = {p.question for p in interleaved_sums.sample_problems(300, seed=0, split="test")}
+    assert train and test and not train & test
+    problems = interleaved_sums.sample_problems(500, seed=4, split="test")
+    prompt = {len(encode_chat(p.question)) for p in problems}
+    assert len(prompt) == 1 and prompt.pop() <= 64  # equal prompt lengths: the trainer's greedy eval batches them
+    lengths = [len(encode_chat(p.question, p.solution())) for p in problems]
+    assert max(lengths) <= 832 and np.mean(lengths) >= 512
+    with pytest.raises(ValueError, match="c must"):
+        interleaved_sums.InterleavedProblem(12345, 20, 1234, 20)
+    with pytest.raises(ValueError, match="d must"):
+        interleaved_sums.InterleavedProblem(12345, 20, 12345, 31)
+    with pytest.raises(ValueError, match="split"):
+        interleaved_sums.sample_problems(1, seed=0, split="dev")
+    assert set(TASKS) == {"repeated_addition", "interleaved_sums"}

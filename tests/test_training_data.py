@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from zipage_jax.tasks import sample_problems
+from zipage_jax.tasks import interleaved_sums, sample_problems
 from zipage_jax.tasks.tokenizer import PAD_ID, encode_chat
-from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, encode_batch, sample_visibility,
-                                            visibility_mask)
+from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, encode_batch, recalled_mask,
+                                            sample_visibility, visibility_mask)
 from seeds import fresh_seed, seeded_rng
 
 
@@ -54,3 +54,22 @@ def test_eviction_rows_keep_the_operands_a_window_and_nothing_in_full_rows_is_hi
     assert not keep[evicted, 64:].all()  # some older token is hidden somewhere
     with pytest.raises(ValueError, match="evict_fraction"):
         sample_visibility(problems, rng, evict_fraction=1.5)
+
+
+def test_eviction_rows_of_interleaved_problems_keep_the_lines_read_after_a_gap():
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 30))
+    problems = interleaved_sums.sample_problems(6, seed=seed, split="train")
+    window, keep = sample_visibility(problems, rng, evict_fraction=1.0)
+    for row, p in enumerate(problems):
+        ids = encode_chat(p.question, p.solution())
+        start = len(encode_chat(p.question))
+        lines = p.solution().split("\n")
+        recalled = recalled_mask(p)
+        for index, line in enumerate(lines):
+            begin = start + sum(len(x) + 1 for x in lines[:index])
+            span = recalled[begin:begin + len(line) + 1]
+            assert span.all() == (index in p.recalled_lines()) and (span.all() or not span.any()), seed
+        assert recalled.sum() == sum(len(lines[i]) + 1 for i in p.recalled_lines())
+        assert keep[row][recalled].all() and not recalled[len(ids):].any()
+    assert not recalled_mask(sample_problems(1, seed=0, split="train")[0]).any()

@@ -1,5 +1,12 @@
-"""Synthetic long-reasoning tasks and the tokenizer / export helpers of the shipped tiny model."""
+"""Synthetic long-reasoning tasks and the tokenizer / export helpers of the shipped tiny model.
 
+``TASKS`` maps each task's name to its problem sampler ``(n, seed, split) -> problems``; every problem has
+``question``, ``answer``, ``split`` and ``solution()``.
+"""
+
+from . import interleaved_sums, repeated_addition
 from .repeated_addition import Problem, boxed_answer, sample_problems
 
-__all__ = ["Problem", "boxed_answer", "sample_problems"]
+TASKS = {"repeated_addition": repeated_addition.sample_problems, "interleaved_sums": interleaved_sums.sample_problems}
+
+__all__ = ["TASKS", "Problem", "boxed_answer", "sample_problems"]

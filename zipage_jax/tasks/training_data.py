@@ -3,9 +3,10 @@
 Why visibility masks: under compression the engine evicts KV entries while the model generates, so it meets
 contexts with holes that full-sequence training never shows it, and loses its way. Part of every batch is
 therefore trained on the whole sequence under a mask of what an eviction may leave: each query sees the
-digits of A and B in the prompt (the only tokens the task needs from far back), the rest of the prompt with
-probability `q`, a recent window of `r` tokens, and every older token with probability `p` (one draw per
-token and row, so a token out of the window stays hidden, as an evicted entry does). The other rows are
+digits of the prompt (the operands) and the scratchpad lines the task reads again after a gap
+(`recalled_lines`), the rest of the prompt with probability `q`, a recent window of `r` tokens, and every
+older token with probability `p` (one draw per token and row, so a token out of the window stays hidden, as an
+evicted entry does). The other rows are
 plain causal (full KV). Answer tokens carry extra loss weight: they are ~10 of ~620 targets, yet they alone
 need the reversal of the last LSD-first sum into the MSD-first product.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .repeated_addition import Problem
 from .tokenizer import PAD_ID, encode_chars, encode_chat
 
 SEQ_LEN = 832  # longest prompt + solution + <|im_end|> is 822 tokens
@@ -27,12 +27,12 @@ PROMPT_KEEP_PROBS = (0.0, 0.5, 1.0)  # q: the same for the prompt tokens other t
 DIGIT_IDS = encode_chars("0123456789")
 
 
-def answer_start(problem: Problem) -> int:
+def answer_start(problem) -> int:
     """Index in `encode_chat(question, solution)` of the first answer token (the `\\` of `\\boxed{`)."""
     return len(encode_chat(problem.question, problem.solution())) - len(f"\\boxed{{{problem.answer}}}") - 1
 
 
-def encode_batch(problems: list[Problem], answer_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def encode_batch(problems: list, answer_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """tokens [B, SEQ_LEN] (PAD after the end) and loss weights [B, SEQ_LEN-1] (weight of target t+1).
 
     Weight 1 on every assistant token, `answer_weight` on `\\boxed{...}<|im_end|>`, 0 on prompt and padding.
@@ -49,7 +49,7 @@ def encode_batch(problems: list[Problem], answer_weight: float = 1.0) -> tuple[n
     return tokens, weights
 
 
-def sample_visibility(problems: list[Problem], rng: np.random.Generator,
+def sample_visibility(problems: list, rng: np.random.Generator,
                       evict_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Per row: window [B] int32 and keep [B, SEQ_LEN] bool (see `visibility_mask`).
 
@@ -68,7 +68,20 @@ def sample_visibility(problems: list[Problem], rng: np.random.Generator,
         keep[i] = rng.random(SEQ_LEN) < rng.choice(OLD_KEEP_PROBS)
         keep[i, : len(prompt)] = rng.random(len(prompt)) < rng.choice(PROMPT_KEEP_PROBS)
         keep[i, : len(prompt)] |= np.isin(prompt, DIGIT_IDS)
+        keep[i] |= recalled_mask(problem)
     return window, keep
+
+
+def recalled_mask(problem) -> np.ndarray:
+    """[SEQ_LEN] bool: the tokens of the scratchpad lines the task reads again after a gap (none for tasks
+    whose problems have no ``recalled_lines``), at their positions in ``encode_chat(question, solution)``."""
+    mask = np.zeros(SEQ_LEN, bool)
+    start = len(encode_chat(problem.question))
+    lines = problem.solution().split("\n")
+    offsets = np.cumsum([0] + [len(line) + 1 for line in lines])
+    for index in getattr(problem, "recalled_lines", lambda: [])():
+        mask[start + offsets[index]: start + offsets[index + 1]] = True
+    return mask
 
 
 def visibility_mask(window, keep):

@@ -1,0 +1,106 @@
+"""Two interleaved multiplications: the synthetic task of the shipped tiny model where importance moves.
+
+Problem: "What is A*B+C*D?" with A, C 5-digit numbers and B, D in 16..30. Reasoning: the two running sums of
+the repeated-addition task (`repeated_addition`) in alternating blocks of `BLOCK` lines, `Xkk:SSSSSSS` for
+k*A and `Ykk:SSSSSSS` for k*C (7 digits, least significant first); once one multiplication is done the other
+runs to its end; then `S:SSSSSSS`, the sum of the two last lines, and `\\boxed{A*B+C*D}`.
+
+Why this shape: while a Y block runs, nothing reads A's digits in the prompt or the last X line, yet the next
+X block needs both, and the final sum needs the last line of the multiplication that finished first, often
+150+ tokens after anything looked at it. Tokens that were attended strongly go quiet for a long stretch and
+then become essential again: a score that forgets at once (the current window's attention alone) evicts them
+while they are quiet, a decayed history of past attention can keep them, and a recent window loses the prompt.
+
+Splits are fixed by a hash of the problem, so train and test never overlap for any seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from .repeated_addition import SPLITS, SUM_DIGITS, TEST_FRACTION_INV, boxed_answer
+
+A_DIGITS = 5
+B_MIN, B_MAX = 16, 30
+BLOCK = 6  # lines of one multiplication before the reasoning switches to the other
+
+__all__ = ["InterleavedProblem", "boxed_answer", "sample_problems"]
+
+
+def _digits(value: int) -> str:
+    return str(value).zfill(SUM_DIGITS)[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedProblem:
+    a: int
+    b: int
+    c: int
+    d: int
+
+    def __post_init__(self):
+        for name in ("a", "c"):
+            if not 10 ** (A_DIGITS - 1) <= getattr(self, name) < 10**A_DIGITS:
+                raise ValueError(f"{name} must have {A_DIGITS} digits, got {getattr(self, name)}")
+        for name in ("b", "d"):
+            if not B_MIN <= getattr(self, name) <= B_MAX:
+                raise ValueError(f"{name} must be in [{B_MIN}, {B_MAX}], got {getattr(self, name)}")
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a}*{self.b}+{self.c}*{self.d}?"
+
+    @property
+    def answer(self) -> str:
+        return str(self.a * self.b + self.c * self.d)
+
+    @property
+    def split(self) -> str:
+        digest = hashlib.blake2b(self.question.encode(), digest_size=8).digest()
+        return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
+
+    def lines(self) -> list[tuple[str, int]]:
+        """(name, k) of every scratchpad line in order: blocks of BLOCK lines, X first, then whichever is left."""
+        todo = {"X": self.b, "Y": self.d}
+        done = {"X": 0, "Y": 0}
+        order, name = [], "X"
+        while done["X"] < todo["X"] or done["Y"] < todo["Y"]:
+            if done[name] == todo[name]:
+                name = "Y" if name == "X" else "X"
+            for _ in range(min(BLOCK, todo[name] - done[name])):
+                done[name] += 1
+                order.append((name, done[name]))
+            name = "Y" if name == "X" else "X"
+        return order
+
+    def recalled_lines(self) -> list[int]:
+        """Indices (in ``solution().split("\\n")``) of the lines read again after a gap: each block's last line,
+        which the same multiplication's next block, or the final sum, continues from."""
+        order = self.lines()
+        return [i for i, (name, _) in enumerate(order) if i + 1 == len(order) or order[i + 1][0] != name]
+
+    def solution(self) -> str:
+        """The reference reasoning: the interleaved running sums, their sum, then the boxed result."""
+        factor = {"X": self.a, "Y": self.c}
+        text = "".join(f"{name}{k:02d}:{_digits(k * factor[name])}\n" for name, k in self.lines())
+        return text + f"S:{_digits(self.a * self.b + self.c * self.d)}\n\\boxed{{{self.answer}}}"
+
+
+def sample_problems(n: int, seed: int, split: str) -> list[InterleavedProblem]:
+    """`n` problems of `split`, drawn deterministically from `seed` (duplicates possible, as in i.i.d. data)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = np.random.default_rng(seed)
+    problems: list[InterleavedProblem] = []
+    while len(problems) < n:
+        a, c = (int(x) for x in rng.integers(10 ** (A_DIGITS - 1), 10**A_DIGITS, size=2))
+        b, d = (int(x) for x in rng.integers(B_MIN, B_MAX + 1, size=2))
+        problem = InterleavedProblem(a, b, c, d)
+        if problem.split == split:
+            problems.append(problem)
+    return problems
