@@ -17,7 +17,6 @@ full-KV output, when the grid has a full-KV configuration.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -26,7 +25,8 @@ import time
 from pathlib import Path
 
 from zipage_jax.answers import is_correct
-from zipage_jax.config import EngineConfig, add_engine_options
+from zipage_jax.config import EngineConfig, add_engine_options, option_fields
+from zipage_jax.config import engine_kwargs as set_options
 from zipage_jax.eval import DEFAULT_MAX_TOKENS, _option_error, format_prompt, load_items
 
 FULL_KV = "full-kv"
@@ -63,7 +63,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
     name, _, body = spec.partition(":")
     if not name:
         raise ValueError(f"config: expected NAME:field=value,..., got {spec!r}")
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    fields = set(option_fields())
     overrides = {}
     for pair in filter(None, body.split(",")):
         key, eq, value = pair.partition("=")
@@ -252,12 +252,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
 def main(argv: list[str] | None = None) -> dict:
     parser, engine_fields = build_parser()
     args = parser.parse_args(argv)
-    base = {name: getattr(args, name) for name in engine_fields if getattr(args, name) is not None}
+    base = set_options(args, engine_fields)
     try:
         budgets = parse_budgets(args.budgets)
         configs = dict(parse_config(spec) for spec in args.config) if args.config else dict(ABLATIONS)
         for overrides in configs.values():
-            EngineConfig(model=args.model, **engine_kwargs(base, overrides, budgets))  # validate before loading
+            EngineConfig.from_kwargs(args.model, **engine_kwargs(base, overrides, budgets))  # validate before loading
         datasets = {data: load_items(data)[:args.limit] for data in args.data}
     except ValueError as e:
         _option_error(parser, e)
