@@ -1,4 +1,5 @@
-"""Device side of the engine: jitted prefill / decode / compression steps per shape bucket over the donated pool.
+"""Device side of the engine: jitted prefill / decode / compression steps per shape bucket over the donated
+DeviceState (pools, caches, token buffer).
 
 Each step gets its integers as one packed buffer (one host→device copy), feeds decode tokens that are still
 on the device straight from a persistent token buffer (no host round-trip), samples on the device and starts
