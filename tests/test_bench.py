@@ -36,7 +36,7 @@ def test_decode_command_report_and_tokens(tmp_path):
         assert sum(k["us"] for k in profile["top_kernels"]) <= profile["busy_us"] * (1 + 1e-9)
     hlo = report["hlo"]
     assert hlo["pool_shape"] == f"f32[2,{report['config']['num_pages']},2,16,16]"
-    assert sum(hlo["ops_producing_pool_shape"].values()) > 0 and hlo["pool_copies"] >= 0
+    assert sum(hlo["ops_producing_pool_shape"].values()) > 0 and hlo["pool_copies"] == 0  # donated: in place
     # the last batch's requests hold greedy tokens: 1 from prefill + warm-up + measured steps
     new = 1 + WARMUP + STEPS
     params = weights.init_random_params(cfg, jax.random.key(0), jnp.float32)  # the benchmark's seed-0 weights

@@ -95,7 +95,7 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     warm = llm.generate([prefix], dataclasses.replace(GREEDY, max_tokens=1), use_tqdm=False)
     assert warm[0].outputs[0].token_ids
     shared = [engine.block_manager.hash_to_page[h] for h in list(engine.block_manager.hash_to_page)[:2]]
-    before = np.asarray(engine.runner.k_pool[:, shared]), np.asarray(engine.runner.v_pool[:, shared])
+    before = np.asarray(engine.runner.state.k_pool[:, shared]), np.asarray(engine.runner.state.v_pool[:, shared])
     # the holder keeps a reference to the shared pages while the others compress (and copy them on write)
     engine.add_request("holder", prefix + random_prompt(rng, 4), dataclasses.replace(GREEDY, kv_budget_blocks=8))
     for i in range(4):
@@ -113,8 +113,8 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     compressed = [finished[f"r{i}"].metrics for i in range(4)]
     assert all(m["num_compressions"] >= 3 for m in compressed)
     assert all(m["peak_kv_blocks_after_compression"] <= budget + 1 for m in compressed)
-    np.testing.assert_array_equal(np.asarray(engine.runner.k_pool[:, shared]), before[0])
-    np.testing.assert_array_equal(np.asarray(engine.runner.v_pool[:, shared]), before[1])
+    np.testing.assert_array_equal(np.asarray(engine.runner.state.k_pool[:, shared]), before[0])
+    np.testing.assert_array_equal(np.asarray(engine.runner.state.v_pool[:, shared]), before[1])
     assert engine.metrics()["kv_pages_used"] == 0
 
 

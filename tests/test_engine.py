@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -150,6 +151,21 @@ def test_bad_inputs_raise_and_engine_keeps_serving(llm):
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert list(finished) == ["keep"] and len(finished["keep"].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_every_step_donates_the_whole_device_state(llm):
+    """Pools, caches and token buffer travel as one donated pytree: after a prefill and a decode step the state
+    they were given is gone (updated in place), the fields a step leaves alone included."""
+    engine = llm.engine
+    engine.add_request("donate", [5, 6, 7], dataclasses.replace(GREEDY, max_tokens=3))
+    kinds = []
+    while engine.has_unfinished_requests():
+        before = jax.tree.leaves(engine.runner.state)
+        engine.step()
+        if engine._in_flight:
+            kinds += [handle.kind for handle in engine._in_flight]
+            assert all(leaf.is_deleted() for leaf in before), kinds
+    assert {"prefill", "decode"} <= set(kinds)
 
 
 def test_abort_frees_pages(llm):

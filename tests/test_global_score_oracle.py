@@ -38,11 +38,11 @@ def record_compressions(llm):
 
     def spy(group, budget, rows, width):
         plan = jax.tree.map(np.asarray, runner._compression_plan(group, budget, rows, width))
-        before = tuple(np.array(x) for x in (runner.k_pool, runner.query_cache))
+        before = tuple(np.array(x) for x in (runner.state.k_pool, runner.state.query_cache))
         dispatch(group, budget, rows, width)
         ids = [c.request.request_id.rsplit("-", 1)[0] for c in group]
         events.append(dict(plan=plan, ids=ids, k_before=before[0], queries=before[1],
-                           k_after=np.array(runner.k_pool), scores_after=np.array(runner.score_cache)))
+                           k_after=np.array(runner.state.k_pool), scores_after=np.array(runner.state.score_cache)))
 
     runner._compress_group = spy
     return events

@@ -79,14 +79,14 @@ def test_scratch_estimates_bound_what_xla_allocates():
     engine, runner = llm.engine, llm.engine.runner
     assert engine.sizing.num_query_slots == 8 and llm.metrics()["max_concurrency"] == 8
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-    caches = [spec(x) for x in (runner.k_pool, runner.v_pool, runner.score_cache, runner.query_cache)]
+    state = jax.tree.map(spec, runner.state)
     for rows, width in ((4, 16), (16, 3)):
         plan = CompressionPlan(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
                                dst_tables=np.zeros((rows, 2), np.int32), query_slots=np.zeros(rows, np.int32),
                                logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
                                valid=np.zeros(rows, bool))
         packed, plan_spec = packing.pack(plan)
-        compiled = runner._compress.lower(*caches, jnp.asarray(packed), spec=plan_spec).compile()
+        compiled = runner._compress.lower(state, jnp.asarray(packed), spec=plan_spec).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= kv_cache.compression_scratch_bytes(
             engine.model_cfg, engine.config, engine.dtype, rows * width)
     bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, engine.dtype, 256, "reference")

@@ -20,10 +20,11 @@ from pallas_kernels.scoring import window_scores
 from pallas_kernels.selection import selection_threshold
 from zipage_jax import attention, weights
 from zipage_jax.attention import REFERENCE, AttentionBackend, resolve_backend, sharded
-from zipage_jax.bench import MODEL_SHAPES, BenchEngine
+from zipage_jax.bench import MODEL_SHAPES
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, slot_scores
 from zipage_jax.compression.scoring import paged_window_attention, window_attention
 from zipage_jax.config import EngineConfig
+from zipage_jax.engine import LLMEngine
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
 from seeds import fresh_seed, seeded_rng
@@ -149,16 +150,13 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
                               attention_backend=backend_name, enable_prefix_caching=False,
                               compilation_cache_dir=None, compression=True, kv_budget_blocks=2, window=8,
                               sink_tokens=1)
-        engine = BenchEngine(config, model_cfg, params)
-        engine.finish_at_max_tokens = True
+        engine = LLMEngine(config, model_cfg, params)
         requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]
         for r in requests:
-            engine.scheduler.add(r)
-        compressions = 0
-        while engine.scheduler.has_work() or engine.in_flight:
-            compressions += len(engine.step()[0].compressions)
-        engine.drain()
-        return [r.output_token_ids for r in requests], compressions
+            engine.add(r)
+        while engine.has_unfinished_requests():
+            engine.step(only_finished=True)
+        return [r.output_token_ids for r in requests], engine.totals["compressions"]
 
     got, got_compressions = generate(backend.name)
     assert traced

@@ -19,7 +19,7 @@ def test_two_way_tensor_parallel_matches_single_device(compression):
                 compression=compression, kv_budget_blocks=2)
     single = LLM(MODEL, **opts).generate(prompts, params, use_tqdm=False)
     sharded_llm = LLM(MODEL, tensor_parallel_size=2, **opts)
-    assert len(sharded_llm.engine.runner.k_pool.sharding.device_set) == 2
+    assert len(sharded_llm.engine.runner.state.k_pool.sharding.device_set) == 2
     sharded = sharded_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
 

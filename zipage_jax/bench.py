@@ -4,8 +4,8 @@
         --json out.json
 
 ``decode`` prefills every request with ``ctx`` random prompt tokens, then, for each batch size (starting from
-that same prefilled state), runs the engine's step loop (schedule → dispatch → read back the previous step)
-and reports:
+that same prefilled state), runs the engine's step loop (``LLMEngine.step``: schedule → dispatch → read back the
+previous step) and reports:
 
 - engine tokens/s: ``batch * steps / wall`` of ``steps`` pipelined engine steps;
 - device step time: the same decode step dispatched back to back with no host work in between;
@@ -17,7 +17,6 @@ and reports:
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -27,16 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax import kv_cache, sharding, weights
-from zipage_jax.attention import resolve_backend
-from zipage_jax.block_manager import BlockManager
+from zipage_jax import kv_cache, weights
 from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs
+from zipage_jax.engine import LLMEngine, MetricsHistory
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.request import PENDING, Request, RequestStatus
+from zipage_jax.profiling import kernel_breakdown
+from zipage_jax.request import Request
 from zipage_jax.runner import ModelRunner
 from zipage_jax.sampling import SamplingParams
-from zipage_jax.scheduler import Scheduler
-from zipage_jax.profiling import kernel_breakdown
+from zipage_jax.scheduler import SchedulerOutput
 
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
@@ -53,63 +51,6 @@ MODEL_SHAPES = {
                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
                         tie_word_embeddings=False, qk_norm=True, max_position_embeddings=4096, dtype="float32"),
 }
-
-
-class BenchEngine:
-    """Block manager + scheduler + runner built from a ModelConfig and params, stepped like ``LLMEngine.step``.
-
-    Differences from the engine, all host-side and small: no tokenizer / detokenizer and no stop checks (a
-    request's lifetime is its ``max_tokens``, which the scheduler honours), and prefill steps always use the
-    largest bucket so a benchmark compiles one prefill shape.
-    """
-
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params):
-        self.config = config
-        self.model_cfg = model_cfg
-        mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
-        self.params = sharding.shard_params(params, mesh)
-        backend = resolve_backend(config.attention_backend)
-        self.sizing = kv_cache.plan_memory(config, model_cfg, jnp.dtype(config.dtype), config.max_model_len, backend)
-        self.runner = ModelRunner(config, model_cfg, self.sizing, self.params, backend, mesh)
-        self.block_manager = BlockManager(self.sizing.num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config, self.sizing)
-        self.in_flight = []
-        self.finish_at_max_tokens = False  # the decode benchmark keeps its requests (and pages) to rewind them
-        self.finished: list[Request] = []
-
-    def step(self):
-        """One engine step; returns (scheduler output, host seconds, seconds blocked on the previous step)."""
-        start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        handles = self.runner.execute(scheduled, self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs)
-        for handle in handles:
-            for request in handle.requests:
-                if request is not None:
-                    request.output_token_ids.append(PENDING)
-        blocked = self._read_back()
-        self.in_flight = handles
-        return scheduled, time.perf_counter() - start - blocked, blocked
-
-    def drain(self):
-        """Wait for the steps in flight and accept their tokens."""
-        self._read_back()
-        self.in_flight = []
-
-    def _read_back(self) -> float:
-        blocked = 0.0
-        for handle in self.in_flight:
-            t = time.perf_counter()
-            tokens, _ = handle.result()
-            blocked += time.perf_counter() - t
-            for row, request in enumerate(handle.requests):
-                if request is None or request.status.finished:
-                    continue
-                request.output_token_ids[request.output_token_ids.index(PENDING)] = int(tokens[row])
-                self.block_manager.register_full_pages(request)
-                if self.finish_at_max_tokens and request.reached_max_tokens:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-                    self.finished.append(request)
-        return blocked
 
 
 def weight_bytes_per_step(params, model_cfg: ModelConfig, batch: int) -> int:
@@ -164,13 +105,32 @@ def pool_copies(hlo_text: str, pool_shape: tuple, dtype) -> dict:
 
 
 class _Recorder:
-    """Remembers the last decode dispatch of the runner (to replay it) and times the compiled calls."""
+    """Watches the engine's runner: remembers each step's scheduler output and the last decode dispatch (to
+    replay it), and times the compiled calls and the waits for the read-back."""
 
     def __init__(self, runner: ModelRunner):
-        self.runner, self.dispatch, self.run = runner, runner._dispatch, runner.programs.run
+        self.runner, self.execute = runner, runner.execute
+        self.dispatch, self.run = runner._dispatch, runner.programs.run
+        self.scheduled: SchedulerOutput | None = None
         self.inputs = self.program = None
-        self.jit_call_s = 0.0
-        runner._dispatch, runner.programs.run = self._record_dispatch, self._record_run
+        self.jit_call_s = self.blocked_s = 0.0
+        runner.execute, runner._dispatch = self._record_execute, self._record_dispatch
+        runner.programs.run = self._record_run
+
+    def _record_execute(self, scheduled):
+        self.scheduled = scheduled
+        handles = self.execute(scheduled)
+        for handle in handles:
+            handle.result = self._timed_result(handle.result)
+        return handles
+
+    def _timed_result(self, result):
+        def timed():
+            start = time.perf_counter()
+            out = result()
+            self.blocked_s += time.perf_counter() - start
+            return out
+        return timed
 
     def _record_dispatch(self, inputs, requests, kind, num_tokens, rows):
         if kind == "decode":
@@ -185,8 +145,14 @@ class _Recorder:
         self.jit_call_s += time.perf_counter() - start  # dispatch; any wait on the device here is not Python work
         return out
 
-    def restore(self):
-        self.runner._dispatch, self.runner.programs.run = self.dispatch, self.run
+    def engine_step(self, engine: LLMEngine) -> tuple[SchedulerOutput, float, float]:
+        """One engine step: its scheduler output, the host seconds it took apart from waiting for the read-back,
+        and that wait."""
+        blocked = self.blocked_s
+        start = time.perf_counter()
+        engine.step(only_finished=True)
+        blocked = self.blocked_s - blocked
+        return self.scheduled, time.perf_counter() - start - blocked, blocked
 
     def step(self):
         return self.dispatch(*self.inputs).tokens
@@ -200,15 +166,19 @@ class _Recorder:
         jax.block_until_ready(tokens)
         return (time.perf_counter() - start) / n
 
-    def compiled_text(self) -> str:
-        return self.runner.programs.compiled(self.program.key).as_text()
+
+def drain(engine: LLMEngine):
+    """Read back the steps in flight without dispatching more: the running requests sit out one step."""
+    running, engine.scheduler.running = engine.scheduler.running, []
+    engine.step(only_finished=True)
+    engine.scheduler.running = running
 
 
 def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, attention_backend: str = "reference",
                      block_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
                      prefill_seqs: int = 8, warmup_steps: int = 3, seed: int = 0, inspect_hlo: bool = True,
                      profile: bool = False, progress=print, on_result=None):
-    """Run the decode benchmark; returns (report dict, the BenchEngine with its requests).
+    """Run the decode benchmark; returns (report dict, the engine with its requests).
 
     ``on_result(partial_report)`` is called after each batch size, so a run cut short keeps what it measured.
     ``profile`` adds each batch size's kernel breakdown of the device step (``profiling.kernel_breakdown``).
@@ -233,21 +203,26 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     t = time.perf_counter()
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
     jax.block_until_ready(params)
-    engine = BenchEngine(config, model_cfg, params)
+    engine = LLMEngine(config, model_cfg, params)
     del params  # the engine holds the serving layout
     progress(f"random params + KV pool ({num_pages} pages of {block_size}): {time.perf_counter() - t:.1f}s")
+    recorder = _Recorder(engine.runner)
 
     rng = np.random.default_rng(seed)
-    first = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    requests = [Request(f"bench-{i}", rng.integers(0, model_cfg.vocab_size, size=ctx).tolist(), first, i, seed=i)
+    # more tokens than the benchmark decodes, so no request finishes: each batch size rewinds them
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_model_len)
+    requests = [Request(f"bench-{i}", rng.integers(0, model_cfg.vocab_size, size=ctx).tolist(), sampling, i, seed=i)
                 for i in range(max_batch)]
     for r in requests:
-        engine.scheduler.add(r)
+        engine.add(r)
     t = time.perf_counter()
     prefill_steps = 0
-    while not engine.step()[0].empty:
+    while engine.scheduler.waiting or engine.scheduler.running:
+        engine.step(only_finished=True)
         prefill_steps += 1
-    engine.drain()
+        # a prefilled request sits out (parked with its pages) until its batch decodes
+        engine.scheduler.running = [r for r in engine.scheduler.running if r.num_computed_tokens < ctx]
+    drain(engine)
     prefill_s = time.perf_counter() - t
     progress(f"prefill {max_batch} x {ctx} tokens in {prefill_steps} steps: {prefill_s:.1f}s (incl. compile)")
 
@@ -265,39 +240,36 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             hbm_peak_bytes_per_s=HBM_PEAK_BYTES_PER_S, prefill_s_incl_compile=prefill_s,
             results=list(results), hlo=hlo)
 
-    results, hlo, first_recorder = [], None, None
-    all_running = list(engine.scheduler.running)
+    results, hlo, hlo_program = [], None, None
     for batch in batches:
         members = requests[:batch]
         engine.scheduler.running = list(members)  # the others stay parked with their pages
         for r in members:  # rewind to the prefilled state, so every batch size decodes at the same context
-            r.output_token_ids, r.num_computed_tokens = r.output_token_ids[:1], ctx
-            r.sampling_params = dataclasses.replace(r.sampling_params,
-                                                    max_tokens=len(r.output_token_ids) + warmup_steps + steps)
-        recorder = _Recorder(engine.runner)
+            del r.output_token_ids[1:], r.output_logprobs[1:]
+            r.num_computed_tokens = ctx
+        recorder.inputs = recorder.program = None
         t = time.perf_counter()
-        engine.step()
-        engine.drain()
+        engine.step(only_finished=True)
+        drain(engine)
         compile_s = time.perf_counter() - t
         for _ in range(warmup_steps - 1):
-            engine.step()
-        engine.drain()
+            engine.step(only_finished=True)
+        drain(engine)
         host, blocked, kv_tokens = [], [], []
         recorder.jit_call_s = 0.0
         start = time.perf_counter()
         for _ in range(steps):
-            scheduled, h, b = engine.step()
+            scheduled, h, b = recorder.engine_step(engine)
             assert len(scheduled.decodes) == batch and not scheduled.prefills
             host.append(h)
             blocked.append(b)
             kv_tokens.append(sum(r.num_computed_tokens for r in scheduled.decodes))
-        engine.drain()
+        drain(engine)
         engine_step_s = (time.perf_counter() - start) / steps
         jit_call_s = recorder.jit_call_s / steps
         device_step_s = recorder.replay(steps)
-        first_recorder = first_recorder or recorder
+        hlo_program = hlo_program or recorder.program
         breakdown = kernel_breakdown(recorder.step) if profile else None
-        recorder.restore()
         weight_bytes = weight_bytes_per_step(engine.params, model_cfg, batch)
         kv_bytes = float(np.mean(kv_tokens)) * per_token_kv
         step_bytes = weight_bytes + kv_bytes
@@ -317,11 +289,12 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         progress(format_row(row))
         if on_result:
             on_result(make_report(results, None))
-    engine.scheduler.running = all_running
+    engine.scheduler.running = list(requests)
     if inspect_hlo:  # last, so a slow recompile never costs the measurements
         t = time.perf_counter()
         shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
-        hlo = dict(batch=batches[0], **pool_copies(first_recorder.compiled_text(), shape, dtype))
+        text = engine.runner.programs.compiled(hlo_program.key).as_text()
+        hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype))
         hlo["inspect_s"] = time.perf_counter() - t
     return make_report(results, hlo), engine
 
@@ -372,35 +345,24 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
                               kv_budget_blocks=kv_budget_blocks, num_query_slots=num_query_slots,
                               async_compression=mode == "async", hybrid_admission=admission == "hybrid",
                               metrics_interval_steps=metrics_interval_steps)
-        engine = BenchEngine(config, model_cfg, params)
-        engine.finish_at_max_tokens = True
+        engine = LLMEngine(config, model_cfg, params)
+        recorder = _Recorder(engine.runner)
         if warmup:  # so no measured step compiles
-            engine.runner.warmup()
+            engine.warmup()
+        engine.history = MetricsHistory(metrics_interval_steps)  # its rates from the workload's start on
         requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]
         for r in requests:
-            engine.scheduler.add(r)
-        history, host, blocked, idle, steps, decoded = [], [], [], [], 0, 0
-        start = last = time.perf_counter()
-        last_decoded, last_compression = 0, 0.0
-        while engine.scheduler.has_work() or engine.in_flight:
-            scheduled, h, b = engine.step()
+            engine.add(r)
+        host, blocked, idle, steps, empty = [], [], [], 0, 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            scheduled, h, b = recorder.engine_step(engine)
             steps += 1
-            decoded += len(scheduled.decodes)
             host.append(h)
             blocked.append(b)
             idle.append(h if b < 1e-4 else 0.0)
-            if metrics_interval_steps and steps % metrics_interval_steps == 0:
-                now = time.perf_counter()
-                s, bm = engine.scheduler, engine.block_manager
-                history.append(dict(
-                    time_s=now - start, step=steps, num_running=len(s.running), num_waiting=len(s.waiting),
-                    num_stalled=s.num_stalled, num_swapped=len(s.swapped),
-                    page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
-                    decode_tokens_per_s=(decoded - last_decoded) / (now - last),
-                    compression_time_share=(engine.runner.compression_seconds - last_compression) / (now - last)))
-                last, last_decoded, last_compression = now, decoded, engine.runner.compression_seconds
-            if not scheduled.decodes and not scheduled.prefills and not engine.in_flight and \
-                    not scheduled.compressions and not scheduled.swap_ins and engine.scheduler.has_work():
+            empty = empty + 1 if scheduled.empty else 0  # a second one saw nothing in flight: nothing will change
+            if empty > 1 and engine.scheduler.has_work():
                 raise RuntimeError("scheduling benchmark: no progress (the pool cannot hold one request)")
         wall = time.perf_counter() - start
         row = dict(
@@ -412,7 +374,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
             compression_time_share=engine.runner.compression_seconds / wall,
             num_compressions=sum(r.num_compressions for r in requests),
             num_swaps=engine.scheduler.num_swaps, num_preemptions=engine.scheduler.num_preemptions,
-            sizing=engine.sizing.as_dict(), history=history,
+            sizing=engine.sizing.as_dict(), history=engine.metrics_history(),
             tokens=[r.output_token_ids for r in requests])
         report["results"].append(row)
         progress(f"{mode:>5} {admission:>11}: {row['tokens_per_s']:9.1f} tok/s, {steps} steps, host "

@@ -1,8 +1,10 @@
 """LLMEngine (add_request / step / abort_request) and the offline ``LLM`` API, shaped like vLLM's.
 
 One ``step()``: schedule on the host → dispatch the jitted step(s) without waiting → read back the previous
-step's sampled tokens → update requests, detect stops, free finished requests → return what changed.
-The engine is single-threaded by design; ``serve`` drives it from one loop thread.
+step's sampled tokens → accept them, check stops (``stopping.check_stop``), free finished requests → return
+what changed. This is the only step loop: the benchmarks drive it with random weights and the scheduler's
+property tests with a fake device (any ``runner.Runner``). The engine is single-threaded by design; ``serve``
+drives it from one loop thread.
 """
 
 import collections
@@ -25,10 +27,11 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.detokenizer import IncrementalDetokenizer
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.outputs import CompletionOutput, RequestOutput
-from zipage_jax.request import PENDING, Request, RequestStatus
-from zipage_jax.runner import ModelRunner
+from zipage_jax.request import Request, RequestStatus
+from zipage_jax.runner import ModelRunner, Runner
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.scheduler import Scheduler
+from zipage_jax.stopping import check_stop
 
 log = logging.getLogger(__name__)
 
@@ -43,42 +46,46 @@ def resolve_dtype(name: str, model_cfg: ModelConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, params=None):
-        """``params``: weights already in memory (``weights.init_random_params`` of the checkpoint's shapes, for
-        benchmarks of random weights without writing them to disk); default: load ``config.model``'s."""
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig | None = None, params=None, *,
+                 scheduler: Scheduler | None = None, runner: Runner | None = None):
+        """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights).
+
+        ``model_cfg`` and ``params``: serve these weights instead, without a tokenizer (token-id prompts, no
+        text), as the benchmarks do with random weights of real model shapes. ``scheduler`` and ``runner``: step
+        these instead of building them, as the scheduler's property tests do with a fake device; the config then
+        supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
+        """
         self.config = config
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        from transformers import AutoTokenizer
-
-        self.model_cfg = ModelConfig.from_pretrained(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
         self.model_name = pathlib.Path(config.model).name or config.model  # the id the server offers
-        self.dtype = resolve_dtype(config.dtype, self.model_cfg)
-        self.mesh = sharding.make_mesh(config.tensor_parallel_size, self.model_cfg)
-        if params is None:
-            params = weights.load_hf_weights(config.model, self.model_cfg, self.dtype)
-        self.params = sharding.shard_params(params, self.mesh)
-        limit = self.model_cfg.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
-        self.max_model_len = config.max_model_len or limit
-        backend = resolve_backend(config.attention_backend)
-        if config.tensor_parallel_size > 1:
-            backend = sharded(backend, self.mesh)
-        self.sizing = kv_cache.plan_memory(config, self.model_cfg, self.dtype, self.max_model_len, backend)
-        self.num_pages = self.sizing.num_pages
-        eos = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        self.tokenizer = None
+        eos = set()
+        if model_cfg is None and runner is None:
+            from transformers import AutoTokenizer
+
+            model_cfg = ModelConfig.from_pretrained(config.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
+            if self.tokenizer.eos_token_id is not None:
+                eos.add(self.tokenizer.eos_token_id)
+        self.model_cfg = model_cfg
+        if model_cfg is not None:
+            eos.update(model_cfg.eos_token_ids)
+            limit = model_cfg.max_position_embeddings
+            if config.max_model_len is not None and config.max_model_len > limit:
+                raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.eos_token_ids = tuple(sorted(eos))
-        self.runner = ModelRunner(config, self.model_cfg, self.sizing, self.params, backend, self.mesh,
-                                  self.eos_token_ids, progress=log_compile)
-        self.block_manager = BlockManager(self.num_pages, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config, self.sizing)
+        self.sizing = None
+        if runner is None:
+            runner, scheduler = self._build_device_side(params)
+        self.runner = runner
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.num_pages = self.block_manager.num_pages
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -89,13 +96,30 @@ class LLMEngine:
         self._rates = collections.deque()  # (time, prefill tokens, decode tokens)
         self.totals = collections.Counter()
         self.history = MetricsHistory(config.metrics_interval_steps)
-        z = self.sizing
+
+    def _build_device_side(self, params) -> tuple[ModelRunner, Scheduler]:
+        """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""
+        config, model_cfg = self.config, self.model_cfg
+        self.dtype = resolve_dtype(config.dtype, model_cfg)
+        self.mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
+        if params is None:
+            params = weights.load_hf_weights(config.model, model_cfg, self.dtype)
+        self.params = sharding.shard_params(params, self.mesh)
+        backend = resolve_backend(config.attention_backend)
+        if config.tensor_parallel_size > 1:
+            backend = sharded(backend, self.mesh)
+        self.sizing = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend)
+        num_pages = z.num_pages
+        runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
+                             progress=log_compile)
+        block_manager = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
         log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query slots, max concurrency %d (%d compressed, "
                  "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
-                 "scratch (%d pages per batch) from a %s budget", self.num_pages, config.block_size,
+                 "scratch (%d pages per batch) from a %s budget", num_pages, config.block_size,
                  z.pool_bytes / 2**20, z.num_query_slots, z.max_concurrency, z.max_compressed_concurrency,
                  z.full_length_concurrency, self.max_model_len, z.reserved_step_scratch_bytes / 2**20,
                  z.reserved_compression_scratch_bytes / 2**20, z.max_compression_pages, z.budget_source)
+        return runner, Scheduler(block_manager, config, z)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -110,6 +134,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
+        if text is not None and self.tokenizer is None:
+            raise ValueError("prompt: this engine has no tokenizer; pass token ids")
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if text is not None else list(prompt)
         if not ids:
             raise ValueError("prompt: empty prompt")
@@ -123,10 +149,15 @@ class LLMEngine:
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
         seed = params.seed if params.seed is not None else next(self._seeds)
-        request = Request(request_id, ids, params, next(self._arrivals), prompt=text, seed=seed)
+        self.add(Request(request_id, ids, params, next(self._arrivals), prompt=text, seed=seed))
+
+    def add(self, request: Request):
+        """Queue a request built by the caller, unchecked (``add_request`` validates its input first)."""
         request.arrival_time = time.perf_counter()
-        self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
         self.scheduler.add(request)
 
     def _check_budget(self, params: SamplingParams):
@@ -163,7 +194,7 @@ class LLMEngine:
         for handle in handles:
             for request in handle.requests:
                 if request is not None:
-                    request.output_token_ids.append(PENDING)
+                    request.add_pending()
         changed = self._read_back(self._in_flight)
         self._in_flight = handles
         for request in self._aborted:
@@ -171,7 +202,7 @@ class LLMEngine:
         self._aborted = []
         for request in changed.values():
             if request.status.finished:
-                self._trim_pending(request)
+                request.drop_pending()
         self.totals["steps"] += 1
         self.history.maybe_sample(self)
         return [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
@@ -198,29 +229,23 @@ class LLMEngine:
             self._rates.popleft()
 
     def _accept(self, request: Request, token: int, logprob: float):
-        """Fill the oldest pending slot with the sampled token, then check every stop condition."""
-        index = len(request.output_logprobs)  # tokens resolve in order: the oldest pending one
-        assert request.output_token_ids[index] == PENDING
-        request.output_token_ids[index] = token
-        request.output_logprobs.append(logprob)
+        """Resolve the oldest pending token with the sampled one, then check every stop condition."""
+        num_out = request.resolve_pending(token, logprob)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         self.block_manager.register_full_pages(request)
         params = request.sampling_params
-        num_out = index + 1
-        status = None
-        if num_out >= params.min_tokens and (
-                token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
-            searched = len(request.output_text)
+        searched = len(request.output_text)
+        if params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
             self._detokenize(request)
-            status = self._match_stop_string(request, self._detokenizers[request.request_id], searched)
-        if status is None and num_out >= params.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            request.output_token_ids = request.output_token_ids[:num_out]
-            self.scheduler.finish(request, status)
+        stop = check_stop(params, self.eos_token_ids, token, num_out, request.output_text, searched)
+        if stop is not None:
+            request.stop_reason = stop.reason
+            if stop.text_end is not None:
+                request.output_text = request.output_text[:stop.text_end]
+                self._detokenizers[request.request_id].text = request.output_text
+            request.drop_pending()
+            self.scheduler.finish(request, stop.status)
             request.finish_time = time.perf_counter()
             self.totals["finished"] += 1
 
@@ -233,27 +258,6 @@ class LLMEngine:
         if detok.num_added < resolved:
             detok.extend(request.output_token_ids[detok.num_added:resolved])
         request.output_text = detok.text
-
-    @staticmethod
-    def _match_stop_string(request, detok, searched: int):
-        """Stop at the earliest stop string in the text; the matched string and what follows are dropped.
-
-        The first ``searched`` characters held no match before, so only matches reaching past them are new.
-        """
-        text = detok.text
-        hits = [(text.find(s, max(0, searched - len(s) + 1)), s) for s in request.sampling_params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return None
-        pos, stop = min(hits)
-        detok.text = request.output_text = detok.text[:pos]
-        request.stop_reason = stop
-        return RequestStatus.FINISHED_STOPPED
-
-    @staticmethod
-    def _trim_pending(request):
-        while request.output_token_ids and request.output_token_ids[-1] == PENDING:
-            request.output_token_ids.pop()
 
     def _output(self, request: Request) -> RequestOutput:
         if not isinstance(request.stop_reason, str):  # a matched stop string already fixed the text

@@ -31,14 +31,7 @@ class Programs:
     def __init__(self, progress: Callable[[int, int, str, float], None] | None = None):
         self.progress = progress or (lambda done, total, name, seconds: None)  # after each compile
         self._compiled: dict = {}
-        self.compile_seconds = 0.0  # summed over programs (they overlap in compile_all)
         self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
-
-    def __len__(self) -> int:
-        return len(self._compiled)
-
-    def __contains__(self, key) -> bool:
-        return key in self._compiled
 
     def compiled(self, key):
         return self._compiled[key]
@@ -51,7 +44,7 @@ class Programs:
             compiled = self._compiled[program.key]
         return compiled(*args)
 
-    def compile_all(self, programs: list[Program], workers: int | None = None, progress=None):
+    def compile_all(self, programs: list[Program], progress=None):
         """Compile the programs not compiled yet, in parallel, calling ``progress`` (default: the one given at
         construction) after each; returns the wall seconds it took."""
         progress = progress or self.progress
@@ -66,13 +59,11 @@ class Programs:
             t = time.perf_counter()
             return program, low.compile(compiler_options=program.options), time.perf_counter() - t
 
-        workers = workers or min(len(todo), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
             futures = [pool.submit(compile_one, item) for item in lowered]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 program, compiled, seconds = future.result()
                 self._compiled[program.key] = compiled
-                self.compile_seconds += seconds
                 progress(done, len(todo), program.name, seconds)
         wall = time.perf_counter() - start
         self.compile_wall_s += wall

@@ -21,8 +21,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """One generation request.
 
-    ``output_token_ids`` may end with ``PENDING`` placeholders (async readback); ``num_computed_tokens``
-    counts tokens whose K/V is in the pool, including those of a step already dispatched.
+    ``output_token_ids`` may end with ``PENDING`` placeholders (asynchronous read-back; only the methods below
+    add and resolve them); ``num_computed_tokens`` counts tokens whose K/V is in the pool, including those of a
+    step already dispatched.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params, arrival: int,
@@ -60,14 +61,26 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    # -- the asynchronous read-back: tokens on the device are PENDING until the next step reads them -----------
     @property
     def num_pending(self) -> int:
-        n = 0
-        for t in reversed(self.output_token_ids):
-            if t != PENDING:
-                break
-            n += 1
-        return n
+        return len(self.output_token_ids) - len(self.output_logprobs)
+
+    def add_pending(self):
+        """A step sampling this request's next token was dispatched."""
+        self.output_token_ids.append(PENDING)
+
+    def resolve_pending(self, token: int, logprob: float) -> int:
+        """Read back the oldest pending token (they resolve in dispatch order); returns the tokens now known."""
+        index = len(self.output_logprobs)
+        assert self.output_token_ids[index] == PENDING
+        self.output_token_ids[index] = token
+        self.output_logprobs.append(logprob)
+        return index + 1
+
+    def drop_pending(self):
+        """Forget the tokens still on the device (the request finished: nobody reads them)."""
+        del self.output_token_ids[len(self.output_logprobs):]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,11 +110,6 @@ class Request:
     def kv_budget(self, default: int) -> int:
         budget = self.sampling_params.kv_budget_blocks
         return default if budget is None else budget
-
-    @property
-    def is_prefilling(self) -> bool:
-        """Still has known tokens whose K/V is not computed (prompt, or prompt+outputs after a preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
 
     @property
     def reached_max_tokens(self) -> bool:

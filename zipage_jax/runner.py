@@ -1,4 +1,5 @@
-"""Device side of the engine: jitted prefill / decode / compression steps per shape bucket over the donated pool.
+"""Device side of the engine: jitted prefill / decode / compression steps per shape bucket over the donated
+DeviceState (pools, caches, token buffer).
 
 Each step gets its integers as one packed buffer (one host→device copy), feeds decode tokens that are still
 on the device straight from a persistent token buffer (no host round-trip), samples on the device and starts
@@ -17,20 +18,23 @@ import dataclasses
 import functools
 import itertools
 import time
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax import kv_cache, packing, sharding
+from zipage_jax import device_state, kv_cache, packing, sharding
 from zipage_jax.attention import AttentionBackend
 from zipage_jax.compression import CompressionPlan, compress
 from zipage_jax.config import EngineConfig
+from zipage_jax.device_state import DeviceState
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models import PagedBatch, forward_paged
 from zipage_jax.programs import Program, Programs
 from zipage_jax.request import PENDING
 from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+from zipage_jax.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0)
 # Compiler options of every engine program. XLA's rematerialization pass compares a program's footprint with a
@@ -68,21 +72,34 @@ def pick_bucket(sizes: list[int], n: int) -> int:
 
 @dataclasses.dataclass
 class StepHandle:
-    """A dispatched step: which request each output row belongs to (None = no sample) and its device results."""
+    """A dispatched step: which request each output row belongs to (None = no sample) and its device results
+    (a fake device gives host arrays)."""
 
     requests: list
     tokens: jax.Array
     logprobs: jax.Array
-    kind: str
+    kind: str  # "decode" or "prefill"
     num_tokens: int
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(self.tokens), np.asarray(self.logprobs)
 
 
-def _step(params, k_pool, v_pool, query_cache, token_buffer, packed, *, spec, model_cfg, backend, store_queries):
+class Runner(typing.Protocol):
+    """What the engine's step loop needs of the device side; ``ModelRunner`` is the real one, the scheduler's
+    property tests bring a fake device."""
+
+    compression_seconds: float  # device time spent compressing so far (engine metrics)
+
+    def execute(self, scheduled: SchedulerOutput) -> list[StepHandle]:
+        """Dispatch one scheduler output (in the order of ``ModelRunner.execute``); one handle per step that
+        samples tokens, read back by the engine one step later."""
+
+
+def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_queries):
     inputs = packing.unpack(packed, spec)
     batch, sampling = inputs["batch"], inputs["sampling"]
+    k_pool, v_pool, query_cache, token_buffer = state.k_pool, state.v_pool, state.query_cache, state.token_buffer
     in_flight = token_buffer[inputs["buffer_slot"]]
     batch = batch.replace(tokens=jnp.where(inputs["from_buffer"], in_flight, batch.tokens))
     if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
@@ -97,25 +114,25 @@ def _step(params, k_pool, v_pool, query_cache, token_buffer, packed, *, spec, mo
     history = jnp.where(pending, token_buffer[inputs["sample_slot"]][:, None], sampling.history)
     tokens, logprobs = sample(logits, sampling.replace(history=history))
     token_buffer = token_buffer.at[inputs["sample_slot"]].set(tokens)
-    return k_pool, v_pool, query_cache, token_buffer, tokens, logprobs
+    state = state.replace(k_pool=k_pool, v_pool=v_pool, query_cache=query_cache, token_buffer=token_buffer)
+    return state, tokens, logprobs
 
 
-def _compress_step(k_pool, v_pool, score_cache, query_cache, packed, *, spec, cfg, sm_scale, backend):
-    return compress(k_pool, v_pool, score_cache, query_cache, packing.unpack(packed, spec), cfg, sm_scale,
-                    backend=backend)
+def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend):
+    k_pool, v_pool, score_cache = compress(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
+                                           packing.unpack(packed, spec), cfg, sm_scale, backend=backend)
+    return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 
-def _swap_gather(k_pool, v_pool, score_cache, query_cache, pages, query_slot, *, history):
-    scores = score_cache[:, pages] if history else jnp.zeros((), jnp.float32)
-    return k_pool[:, pages], v_pool[:, pages], scores, query_cache[:, query_slot]
+def _swap_gather(state: DeviceState, pages, query_slot, *, history):
+    scores = state.score_cache[:, pages] if history else jnp.zeros((), jnp.float32)
+    return state.k_pool[:, pages], state.v_pool[:, pages], scores, state.query_cache[:, query_slot]
 
 
-def _swap_scatter(k_pool, v_pool, score_cache, query_cache, pages, query_slot, k, v, scores, queries, *, history):
-    k_pool = k_pool.at[:, pages].set(k)
-    v_pool = v_pool.at[:, pages].set(v)
-    if history:
-        score_cache = score_cache.at[:, pages].set(scores)
-    return k_pool, v_pool, score_cache, query_cache.at[:, query_slot].set(queries)
+def _swap_scatter(state: DeviceState, pages, query_slot, k, v, scores, queries, *, history):
+    score_cache = state.score_cache.at[:, pages].set(scores) if history else state.score_cache
+    return state.replace(k_pool=state.k_pool.at[:, pages].set(k), v_pool=state.v_pool.at[:, pages].set(v),
+                         score_cache=score_cache, query_cache=state.query_cache.at[:, query_slot].set(queries))
 
 
 class ModelRunner:
@@ -129,8 +146,6 @@ class ModelRunner:
         self.num_pages = num_pages = plan.num_pages
         self.pages_per_seq = plan.pages_per_seq
         self.eos_token_ids = tuple(eos_token_ids)
-        self.k_pool, self.v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, plan.dtype,
-                                                          sharding.kv_head_sharding(mesh))
         self.sink_slot = config.max_num_seqs  # rows that sample nothing write here
         self.compression = config.compression
         self.async_compression = config.async_compression
@@ -138,28 +153,27 @@ class ModelRunner:
         self.num_query_slots = plan.num_query_slots
         self.query_sink = self.num_query_slots  # rows of requests without a query slot store their queries here
         self.max_compression_pages = plan.max_compression_pages
-        self.query_cache, self.score_cache = kv_cache.allocate_compression_state(
-            model_cfg, config, num_pages, self.num_query_slots, plan.dtype, mesh)
+        self.state = device_state.allocate(config, model_cfg, num_pages, self.num_query_slots, plan.dtype, mesh)
         self.scoring = config.scoring
         self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
-                                 static_argnames=("spec",), donate_argnums=(0, 1, 2))
+                                 static_argnames=("spec",), donate_argnames=("state",))
         history = config.compression and config.scoring.global_score
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
-        self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history), donate_argnums=(0, 1, 2, 3))
+        self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history),
+                                     donate_argnames=("state",))
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)
         self.compression_seconds = 0.0  # device time of the compressions dispatched (measured or estimated)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
         self.replicated = sharding.replicated(mesh)  # where each step's packed integers go
-        self.token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), self.replicated)
         self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
         self.prefill_token_sizes = bucket_sizes(min(max(16, config.max_num_batched_tokens // 16),
                                                     config.max_num_batched_tokens), config.max_num_batched_tokens)
         self.prefill_rows = config.max_num_prefill_seqs  # one row count: its arrays are small next to the tokens
         self._step = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend,
                                                store_queries=config.compression),
-                             static_argnames=("spec",), donate_argnums=(1, 2, 3, 4))
+                             static_argnames=("spec",), donate_argnames=("state",))
 
     # -- host-side packing -------------------------------------------------------------------------------
     def _page_table(self, rows: int, requests) -> np.ndarray:
@@ -193,16 +207,15 @@ class ModelRunner:
         mode = "penalized" if sampling.penalized else "sampled" if sampling.sampled else "greedy"
         unit = "rows" if kind == "decode" else "tokens"
         program = Program(key=("step", spec), name=f"{kind} {rows} {unit}, {mode}", jitted=self._step,
-                          args=(self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer,
+                          args=(self.params, self.state,
                                 jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
                           static=dict(spec=spec), options=compiler_options(rows))
         return program, packed
 
     def _dispatch(self, inputs, requests, kind: str, num_tokens: int, rows: int) -> StepHandle:
         program, packed = self._step_program(inputs, kind, rows)
-        self.k_pool, self.v_pool, self.query_cache, self.token_buffer, tokens, logprobs = self.programs.run(
-            program, self.params, self.k_pool, self.v_pool, self.query_cache, self.token_buffer,
-            jax.device_put(packed, self.replicated))
+        self.state, tokens, logprobs = self.programs.run(program, self.params, self.state,
+                                                         jax.device_put(packed, self.replicated))
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepHandle(requests, tokens, logprobs, kind, num_tokens)
@@ -234,10 +247,10 @@ class ModelRunner:
                     buffer_slot=padded(np.where(pending, token_slot, self.sink_slot), self.sink_slot),
                     sample_slot=padded(token_slot, self.sink_slot), query_slot=padded(query, self.query_sink))
 
-    def decode(self, requests, rows: int | None = None, force_sampled: bool = False) -> StepHandle:
+    def decode(self, requests) -> StepHandle:
         """One token per request: the one at index ``num_computed_tokens - 1`` (already counted by the scheduler)."""
-        rows = rows or pick_bucket(self.decode_sizes, len(requests))
-        inputs = self._decode_inputs(requests, rows, force_sampled)
+        rows = pick_bucket(self.decode_sizes, len(requests))
+        inputs = self._decode_inputs(requests, rows)
         return self._dispatch(inputs, list(requests), "decode", len(requests), rows)
 
     def _prefill_inputs(self, chunks, num_tokens: int, rows: int) -> tuple[dict, list]:
@@ -273,12 +286,11 @@ class ModelRunner:
                       sample_slot=sample_slot, query_slot=query_slot)
         return inputs, sampled
 
-    def prefill(self, chunks, num_tokens: int | None = None, rows: int | None = None) -> StepHandle:
+    def prefill(self, chunks) -> StepHandle:
         """Packed prompt chunks; rows whose chunk reaches the last known token sample the next one."""
         total = sum(c.num_tokens for c in chunks)
-        num_tokens = num_tokens or pick_bucket(self.prefill_token_sizes, total)
-        rows = rows or self.prefill_rows
-        inputs, sampled = self._prefill_inputs(chunks, num_tokens, rows)
+        num_tokens = pick_bucket(self.prefill_token_sizes, total)
+        inputs, sampled = self._prefill_inputs(chunks, num_tokens, self.prefill_rows)
         return self._dispatch(inputs, sampled, "prefill", total, num_tokens)
 
     def compression_widths(self, budget: int) -> list[int]:
@@ -317,11 +329,11 @@ class ModelRunner:
         seen = self._compression_times.get(key, [])
         measure = wait or len(seen) < 2
         if measure:
-            jax.block_until_ready(self.k_pool)
+            jax.block_until_ready(self.state.k_pool)
             start, compiling = time.perf_counter(), self.programs.compile_wall_s
         self._compress_group(group, budget, rows, width)
         if measure:
-            jax.block_until_ready(self.k_pool)
+            jax.block_until_ready(self.state.k_pool)
             # a program met here for the first time compiles inside the dispatch: that is start-up, not device time
             elapsed = time.perf_counter() - start - (self.programs.compile_wall_s - compiling)
             self._compression_times[key] = seen + [elapsed]
@@ -347,28 +359,25 @@ class ModelRunner:
 
     def _compress_program(self, packed, spec, rows: int, width: int) -> Program:
         return Program(key=("compress", spec), name=f"compress {rows} rows x {width} pages", jitted=self._compress,
-                       args=(self.k_pool, self.v_pool, self.score_cache, self.query_cache,
-                             jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
+                       args=(self.state, jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
                        static=dict(spec=spec), options=COMPILER_OPTIONS)
 
     def _compress_group(self, group, budget: int, rows: int, width: int):
         packed, spec = packing.pack(self._compression_plan(group, budget, rows, width))
-        self.k_pool, self.v_pool, self.score_cache = self.programs.run(
-            self._compress_program(packed, spec, rows, width),
-            self.k_pool, self.v_pool, self.score_cache, self.query_cache, jax.device_put(packed, self.replicated))
+        self.state = self.programs.run(self._compress_program(packed, spec, rows, width), self.state,
+                                       jax.device_put(packed, self.replicated))
 
     # -- swapping ------------------------------------------------------------------------------------------
     def _swap_programs(self, size: int, state=None) -> tuple[Program, Program]:
-        caches = (self.k_pool, self.v_pool, self.score_cache, self.query_cache)
         index = (jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated),
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
-        gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, caches + index,
+        gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (self.state,) + index,
                          options=COMPILER_OPTIONS)
         if state is None:
-            state = jax.eval_shape(self._swap_gather, *caches, *index)
+            state = jax.eval_shape(self._swap_gather, self.state, *index)
         state = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
-        scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, caches + index + state,
-                          options=COMPILER_OPTIONS)
+        scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter,
+                          (self.state,) + index + state, options=COMPILER_OPTIONS)
         return gather, scatter
 
     def _swap_index(self, pages: np.ndarray, query_slot: int):
@@ -380,8 +389,7 @@ class ModelRunner:
         padded = np.zeros(pick_bucket(self.swap_page_sizes, len(pages)), np.int32)
         padded[:len(pages)] = pages
         gather, _ = self._swap_programs(len(padded))
-        arrays = self.programs.run(gather, self.k_pool, self.v_pool, self.score_cache, self.query_cache,
-                                   *self._swap_index(padded, query_slot))
+        arrays = self.programs.run(gather, self.state, *self._swap_index(padded, query_slot))
         k, v, scores, queries = (np.asarray(a) for a in arrays)
         n = len(pages)
         return k[:, :n], v[:, :n], scores[:, :n] if scores.ndim else scores, queries
@@ -399,12 +407,10 @@ class ModelRunner:
         scores = pad(scores) if scores.ndim else scores
         state = (pad(k), pad(v), scores, queries)
         _, scatter = self._swap_programs(size, state)
-        self.k_pool, self.v_pool, self.score_cache, self.query_cache = self.programs.run(
-            scatter, self.k_pool, self.v_pool, self.score_cache, self.query_cache,
-            *self._swap_index(padded, query_slot), *state)
+        self.state = self.programs.run(scatter, self.state, *self._swap_index(padded, query_slot), *state)
 
     # -- one scheduler output ------------------------------------------------------------------------------
-    def execute(self, scheduled, prefill_tokens: int | None = None, prefill_rows: int | None = None) -> list:
+    def execute(self, scheduled: SchedulerOutput) -> list[StepHandle]:
         """Dispatch everything ``scheduled`` asks for (see the module docstring); returns the step handles."""
         for swap in scheduled.swap_outs:
             swap.request.swap_state = self.swap_out(swap.pages, swap.query_slot)
@@ -417,7 +423,7 @@ class ModelRunner:
         if scheduled.decodes:
             handles.append(self.decode(scheduled.decodes))
         if scheduled.prefills:
-            handles.append(self.prefill(scheduled.prefills, prefill_tokens, prefill_rows))
+            handles.append(self.prefill(scheduled.prefills))
         if scheduled.compressions and self.async_compression:
             self.compress(scheduled.compressions)
         return handles

@@ -198,11 +198,6 @@ class Scheduler:
         size = self.block_manager.block_size
         return size * max(self.budget(request) + 1, -(-len(request.prompt_token_ids) // size))
 
-    def needs_slot(self, request: Request, end: int) -> bool:
-        """Whether computing up to length ``end`` writes into the window of the first compression (compressed
-        requests always hold a slot)."""
-        return request.compressed or end > self.first_due(request) - self.window
-
     def slotless_end(self, request: Request, end: int) -> int:
         """The largest length ``<= end`` an uncompressed request can reach without a query slot."""
         return min(end, self.first_due(request) - self.window)
