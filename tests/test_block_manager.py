@@ -88,7 +88,8 @@ def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled)
         elif op == "advance":
             request = live[a % len(live)]
             if request.num_computed_tokens == request.num_tokens:  # everything computed: "sample" a token
-                request.output_token_ids.append(sampled[len(request.output_token_ids) % len(sampled)])
+                request.add_pending()
+                request.resolve_pending(sampled[len(request.output_logprobs) % len(sampled)], 0.0)
             n = min(b, request.num_tokens - request.num_computed_tokens)
             before = list(request.block_ids)
             free_before = bm.num_free_pages
