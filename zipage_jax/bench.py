@@ -104,6 +104,20 @@ def pool_copies(hlo_text: str, pool_shape: tuple, dtype) -> dict:
                 while_loops_with_known_trip_count=len(re.findall(r"known_trip_count", hlo_text)))
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter",
+               "collective-broadcast")
+_COLLECTIVE = re.compile(r"(?<![%\w.-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> dict:
+    """How many of each cross-device collective a compiled program holds (an asynchronous ``-start`` / ``-done``
+    pair counts once). Under tensor parallelism a step should hold two all-reduces a layer and nothing else."""
+    found = {}
+    for op in _COLLECTIVE.findall(hlo_text):
+        found[op] = found.get(op, 0) + 1
+    return found
+
+
 class _Recorder:
     """Watches the engine's runner: remembers each step's scheduler output and the last decode dispatch (to
     replay it), and times the compiled calls and the waits for the read-back."""

@@ -23,6 +23,7 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from zipage_jax import device_state, kv_cache, packing, sharding
 from zipage_jax.attention import AttentionBackend
@@ -118,9 +119,19 @@ def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store
     return state, tokens, logprobs
 
 
-def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend):
-    k_pool, v_pool, score_cache = compress(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
-                                           packing.unpack(packed, spec), cfg, sm_scale, backend=backend)
+def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, mesh):
+    """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
+    and compaction read only that head and its query group, so the step needs no collective and the backend's
+    compression kernels run on one shard's heads."""
+    def run(k_pool, v_pool, score_cache, query_cache, plan):
+        return compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, sm_scale, backend=backend)
+
+    if mesh.size > 1:
+        heads, scores = sharding.KV_HEADS, sharding.KV_HEADS if cfg.global_score else P()  # as allocated
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, sharding.QUERY_HEADS, P()),
+                            out_specs=(heads, heads, scores), check_vma=False)
+    k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
+                                      packing.unpack(packed, spec))
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 
@@ -157,7 +168,7 @@ class ModelRunner:
         self.scoring = config.scoring
         self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
-                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
+                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
                                  static_argnames=("spec",), donate_argnames=("state",))
         history = config.compression and config.scoring.global_score
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
