@@ -102,9 +102,10 @@ class LLMEngine:
         config, model_cfg = self.config, self.model_cfg
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
-        if params is None:
-            params = weights.load_hf_weights(config.model, model_cfg, self.dtype)
-        self.params = sharding.shard_params(params, self.mesh)
+        if params is None:  # straight into the shards: no device holds more than its own
+            self.params = weights.load_sharded(config.model, model_cfg, self.dtype, self.mesh)
+        else:
+            self.params = sharding.shard_params(params, self.mesh)
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
