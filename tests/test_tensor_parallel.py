@@ -80,3 +80,35 @@ def test_four_way_tensor_parallel_matches_single_device_with_only_the_expected_c
 def test_tensor_parallel_size_must_divide_kv_heads():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(MODEL, tensor_parallel_size=3, compilation_cache_dir=None)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(coordinator_address="nohost"), "coordinator_address"),
+    (dict(coordinator_address="10.0.0.1:0", num_processes=2, process_id=0), "coordinator_address"),
+    (dict(coordinator_address="10.0.0.1:1234", process_id=0), "num_processes"),
+    (dict(num_processes=2), "num_processes"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=0, process_id=0), "num_processes"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=2), "process_id"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
+    (dict(process_id=0), "process_id"),
+])
+def test_multi_host_fields_are_validated(fields, named):
+    from zipage_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{named}:"):
+        EngineConfig.from_kwargs(MODEL, **fields)
+
+
+def test_multi_host_engine_joins_through_jax_distributed_once_before_any_device_query(monkeypatch):
+    """``jax.distributed.initialize`` (mocked: one real process) gets the config's fields, before the engine
+    asks for a device, and once per process however many engines it builds."""
+    events, joined = [], []
+    devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *args: events.append("devices") or devices(*args))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: events.append(kw) or joined.append(True))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(joined))
+    fields = dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+    LLM(MODEL, tensor_parallel_size=2, **fields, **OPTIONS)
+    LLM(MODEL, **fields, **OPTIONS)
+    assert events[0] == fields and "devices" in events
+    assert [e for e in events if e != "devices"] == [fields]

@@ -33,6 +33,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Several hosts (README, Several GPUs and hosts): every process joins through jax.distributed first
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = os.path.join("~", ".cache", "zipage_jax", "xla")
     # Compressed PagedAttention (off = full-KV mode, the vLLM-like baseline)
@@ -80,6 +84,18 @@ class EngineConfig:
         check(is_int(self.seed), "seed", "must be an int")
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "must be a positive int")
+        check(self.coordinator_address is None or _is_host_port(self.coordinator_address), "coordinator_address",
+              "must be 'host:port' (port 1-65535) or None")
+        multi_host = self.coordinator_address is not None
+        check(self.num_processes is None or (is_int(self.num_processes) and self.num_processes >= 1),
+              "num_processes", "must be a positive int or None")
+        check((self.num_processes is None) != multi_host, "num_processes",
+              "must be given with coordinator_address, and only with it")
+        check(self.process_id is None or (is_int(self.process_id) and 0 <= self.process_id
+                                          < (self.num_processes or self.process_id + 1)),
+              "process_id", "must be an int in [0, num_processes) or None")
+        check((self.process_id is None) != multi_host, "process_id",
+              "must be given with coordinator_address, and only with it")
         check(isinstance(self.attention_backend, str), "attention_backend", "must be a string")
         check(isinstance(self.compression, bool), "compression", "must be a bool")
         check(is_int(self.kv_budget_blocks) and self.kv_budget_blocks >= 1, "kv_budget_blocks", "must be an int >= 1")
@@ -137,6 +153,11 @@ class EngineConfig:
                                         for name in option_fields()}}
 
 
+def _is_host_port(address) -> bool:
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
 SCORING_FIELDS = tuple(f.name for f in dataclasses.fields(ScoringConfig))
 
 
@@ -166,7 +187,11 @@ DESCRIPTIONS = {
     "kv_cache_memory_bytes": "KV pool size in bytes instead",
     "num_gpu_blocks_override": "KV pool size in pages instead",
     "seed": "engine seed: seeds of requests that bring none",
-    "tensor_parallel_size": "devices to shard heads and MLP over",
+    "tensor_parallel_size": "devices to shard heads and MLP over (across hosts: every device of every process)",
+    "coordinator_address": "several hosts: `host:port` of process 0, where every process joins "
+                           "(`jax.distributed.initialize`); None = one process",
+    "num_processes": "several hosts: how many processes join (with `coordinator_address`)",
+    "process_id": "several hosts: this process's rank in [0, `num_processes`) (with `coordinator_address`)",
     "attention_backend": "`auto` (Mosaic GPU on Hopper, Triton through jax-triton on compute capability 8.x, "
                          "reference on CPU), `mosaic`, `mosaic_decode` (Mosaic decode, XLA prefill), `triton`, "
                          "`reference`",

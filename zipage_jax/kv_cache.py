@@ -139,7 +139,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     elif config.kv_cache_memory_bytes is not None:
         budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     else:
-        budget, source = device_free_bytes(jax.devices()[0], config.gpu_memory_utilization), "device"
+        budget, source = device_free_bytes(jax.local_devices()[0], config.gpu_memory_utilization), "device"
         if budget is None:
             budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
         else:

@@ -23,6 +23,7 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from zipage_jax import device_state, kv_cache, packing, sharding
@@ -396,12 +397,13 @@ class ModelRunner:
 
     def swap_out(self, pages: list[int], query_slot: int) -> tuple:
         """Host copies of the pages' K/V (and scores) and of the query-cache row, ordered after every step
-        dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away."""
+        dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away.
+        Across processes every one gathers the whole copy (its heads live on other hosts' devices too)."""
         padded = np.zeros(pick_bucket(self.swap_page_sizes, len(pages)), np.int32)
         padded[:len(pages)] = pages
         gather, _ = self._swap_programs(len(padded))
         arrays = self.programs.run(gather, self.state, *self._swap_index(padded, query_slot))
-        k, v, scores, queries = (np.asarray(a) for a in arrays)
+        k, v, scores, queries = multihost_utils.process_allgather(arrays, tiled=True)
         n = len(pages)
         return k[:, :n], v[:, :n], scores[:, :n] if scores.ndim else scores, queries
 

@@ -18,6 +18,16 @@ KV_HEADS = P(None, None, AXIS)  # the pool [L, pages, Hkv, S, D] and the score c
 QUERY_HEADS = P(None, None, None, AXIS)  # the query cache [L, C+1, W, Hq, D]
 
 
+def join_processes(config) -> None:
+    """Several hosts: join the others through ``jax.distributed.initialize``, once per process and before anything
+    asks for a device; ``jax.devices()`` then lists every process's devices and ``make_mesh`` spans them. One
+    process (``coordinator_address`` None): nothing to do."""
+    if config.coordinator_address is None or jax.distributed.is_initialized():
+        return
+    jax.distributed.initialize(coordinator_address=config.coordinator_address, num_processes=config.num_processes,
+                               process_id=config.process_id)
+
+
 def make_mesh(tensor_parallel_size: int, model_cfg) -> Mesh:
     devices = jax.devices()
     if tensor_parallel_size > len(devices):
