@@ -25,21 +25,25 @@ def config(**kwargs):
 
 
 def shapes_bytes(m, c, itemsize):
-    """Independent arithmetic from the array shapes: one page of K, V (+ f32 score) and one query-cache row."""
-    page = np.prod([m.num_layers, m.num_kv_heads, c.block_size, m.head_dim]) * itemsize * 2
-    page += np.prod([m.num_layers, m.num_kv_heads, c.block_size]) * 4 if c.scoring.global_score else 0
-    slot = np.prod([m.num_layers, c.scoring.window, m.num_heads, m.head_dim]) * itemsize
+    """Independent arithmetic from the array shapes: one device's share of one page of K, V (+ f32 score) and of
+    one query-cache row (its KV heads and their query heads)."""
+    kv_heads, q_heads = m.num_kv_heads // c.tensor_parallel_size, m.num_heads // c.tensor_parallel_size
+    page = np.prod([m.num_layers, kv_heads, c.block_size, m.head_dim]) * itemsize * 2
+    page += np.prod([m.num_layers, kv_heads, c.block_size]) * 4 if c.scoring.global_score else 0
+    slot = np.prod([m.num_layers, c.scoring.window, q_heads, m.head_dim]) * itemsize
     return int(page), int(slot)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_slots=3)])
+@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_slots=3),
+                                    dict(tensor_parallel_size=2)])
 def test_pool_and_query_slots_from_a_byte_budget(kwargs):
+    """The budget is per device: with two devices each page and query slot costs a device half as much."""
     rng = seeded_rng()
     c = config(kv_cache_memory_bytes=int(rng.integers(320_000, 700_000)), **kwargs)
     plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
     page, slot = shapes_bytes(CFG, c, 4)
     slots = c.num_query_slots or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
-    pages = (c.kv_cache_memory_bytes - (slots + 1) * slot) // page
+    pages = min((c.kv_cache_memory_bytes - (slots + 1) * slot) // page, c.max_num_seqs * 16 + 1)
     assert (plan.page_bytes, plan.query_slot_bytes) == (page, slot)
     assert (plan.num_query_slots, plan.num_pages) == (slots, pages)
     assert plan.pool_bytes + plan.query_cache_bytes <= c.kv_cache_memory_bytes

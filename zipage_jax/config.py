@@ -184,7 +184,7 @@ DESCRIPTIONS = {
     "max_num_prefill_seqs": "most prompt chunks in one step",
     "enable_prefix_caching": "share full prompt pages by a hash chain",
     "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
-    "kv_cache_memory_bytes": "KV pool size in bytes instead",
+    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead",
     "num_gpu_blocks_override": "KV pool size in pages instead",
     "seed": "engine seed: seeds of requests that bring none",
     "tensor_parallel_size": "devices to shard heads and MLP over (across hosts: every device of every process)",

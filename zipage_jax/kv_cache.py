@@ -80,7 +80,8 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """What ``plan_memory`` decided: the pool, the query slots and the concurrency they allow, and the bytes
-    behind each (the engine logs them; the server's metrics report them)."""
+    behind each (the engine logs them; the server's metrics report them). Bytes are per device: under tensor
+    parallelism each device holds its share of the heads of every page and query slot."""
 
     max_model_len: int
     dtype: jnp.dtype  # of the KV pool and the query cache
@@ -117,11 +118,16 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.
     ``C = available / (page_bytes * (M + 1) + query_slot_bytes)``: every slot holder can reach its steady state
     of ``M + 1`` pages; requests without a slot (hybrid admission) live on the remaining pages.
+
+    The budget is per device (like the device's free memory), and so are the page and query-slot bytes: with
+    ``tensor_parallel_size`` devices a page costs each of them ``1 / tensor_parallel_size`` of its bytes (the
+    scratch estimates stay those of one device holding every head: an upper bound).
     """
     S, M = config.block_size, config.kv_budget_blocks
+    shards = config.tensor_parallel_size  # divides the KV heads, hence the query heads
     pages_per_seq = -(-max_model_len // S)
-    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score)
-    slot = query_slot_bytes(model_cfg, config, dtype) if config.compression else 0
+    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score) // shards
+    slot = query_slot_bytes(model_cfg, config, dtype) // shards if config.compression else 0
     max_comp = 0
     if config.compression:
         max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, 64) * (M + 1))
