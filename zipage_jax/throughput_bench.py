@@ -13,7 +13,7 @@ from generation; the generation window starts when the requests are added and en
 - running requests (mean over steps, peak), page occupancy, preemptions (recompute), swaps, stalled request-steps;
 - the steady-state compression share of device time (``metrics()["steady_compression_time_share"]``);
 - the HBM roofline fraction of the decode steps: (weight bytes + KV bytes of the pages in use) per decode step,
-  summed, over the window, against the peak bandwidth;
+  summed, over the window, against the peak bandwidth (of all ``--tensor-parallel-size`` devices together);
 - samples over time (throughput, concurrency, pages per running request) for the plots.
 
 Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random weights of a real model's shapes,
@@ -220,7 +220,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         num_compressions=metrics["num_compressions"],
         compression_time_share_steady=metrics["steady_compression_time_share"],
         compression_time_share_since_start=metrics["compression_time_share"],
-        hbm_roofline_fraction=bytes_read / steady_wall / HBM_PEAK_BYTES_PER_S,
+        hbm_roofline_fraction=bytes_read / steady_wall / (HBM_PEAK_BYTES_PER_S * engine.config.tensor_parallel_size),
         weight_bytes=total_bytes, page_bytes=page_bytes, kv_pages=pages,
         num_query_slots=metrics["num_query_slots"], max_concurrency=metrics["max_concurrency"],
         pages_per_request_peak_mean=float(np.mean(peak_blocks)) if peak_blocks else 0.0,
@@ -335,7 +335,9 @@ def add_arguments(parser):
     parser.add_argument("--max-num-prefill-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="KV pool and caches in GB (default: an 80 GB card after the weights, 0.9 x 80 GB - weights)")
+                        help="KV pool and caches in GB per device (default: an 80 GB card after its share of the "
+                             "weights, 0.9 x 80 GB - weights / tensor-parallel-size)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-pages", type=int, help="KV pool in pages instead")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
@@ -395,13 +397,14 @@ def main(args) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     kv_bytes = None
     if args.num_pages is None:
-        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - weight_bytes) / 1e9
+        share = weight_bytes / args.tensor_parallel_size
+        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - share) / 1e9
         kv_bytes = int(gb * 1e9)
     options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
                    max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_blocks_override=args.num_pages,
                    attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
-                   metrics_interval_steps=0)
+                   metrics_interval_steps=0, tensor_parallel_size=args.tensor_parallel_size)
     report["config"] = dict(options, kv_budget_blocks=args.kv_budget_blocks,
                             model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
                             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
