@@ -130,8 +130,8 @@ def main():
             r = json.loads(child.stdout.strip().splitlines()[-1])
             results.append(r)
             mib = lambda values: ", ".join(f"{v / 2**20:.0f}" for v in values)  # noqa: E731
-            print(f"{size:>3} {path:>17} {r['param_bytes'] / 2**20:>10.0f} {r['load_s']:>7.1f}  [{mib(r['peak_bytes'])}]"
-                  f"  ([{mib(r['held_bytes'])}])  {r['device_kind']}, {r['measured']}")
+            print(f"{size:>3} {path:>17} {r['param_bytes'] / 2**20:>10.0f} {r['load_s']:>7.1f}  "
+                  f"[{mib(r['peak_bytes'])}]  ([{mib(r['held_bytes'])}])  {r['device_kind']}, {r['measured']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, dtype=args.dtype, results=results), f, indent=1)
