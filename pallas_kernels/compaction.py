@@ -20,7 +20,7 @@ its skipped copies' barrier arrivals; the block then leaves as one TMA store (a 
 destination page). ``stages`` staging buffers: the next ``stages - 1`` blocks' gathers are in flight while
 the current block is stored.
 
-Why this is safe in place, given what the block manager guarantees:
+Why this is safe in place, given what the page manager guarantees:
 
 * ``dst_tables[b, i]`` is either ``src_tables[b, i]`` (in place) or a page nobody reads in this call
   (copy-on-write), and a row's own source pages are distinct: writing output slot ``j`` can only destroy

@@ -33,15 +33,15 @@ def generate(process_id: int | None, num_processes: int, port: int, gpu: bool) -
         joined = dict(coordinator_address=f"localhost:{port}", num_processes=num_processes, process_id=process_id)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(2, 30, size=3)]
-    options = dict(block_size=16, max_num_batched_tokens=128, compilation_cache_dir=None,
+    options = dict(page_size=16, max_num_batched_tokens=128, compilation_cache_dir=None,
                    tensor_parallel_size=num_processes if joined else 1, attention_backend="reference", **joined)
     greedy = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
     plain = LLM(MODEL, max_num_seqs=4, max_model_len=128, **options)
     tokens = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     # a small pool: the large-budget request runs out of pages and the compressed tail is swapped out and back
-    tight = LLM(MODEL, compression=True, kv_budget_blocks=1, window=4, num_gpu_blocks_override=8, max_model_len=112,
-                max_num_seqs=3, num_query_slots=2, **options)
-    budgets = [SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True, kv_budget_blocks=b) for b in (3, 1, 1)]
+    tight = LLM(MODEL, compression=True, kv_budget_pages=1, window=4, num_gpu_pages_override=8, max_model_len=112,
+                max_num_seqs=3, num_query_rows=2, **options)
+    budgets = [SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True, kv_budget_pages=b) for b in (3, 1, 1)]
     short = [p[:5] for p in prompts]
     tokens += [o.outputs[0].token_ids for o in tight.generate(short, budgets, use_tqdm=False)]
     return dict(tokens=tokens, swaps=tight.metrics()["num_swaps"], processes=jax.process_count(),

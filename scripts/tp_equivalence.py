@@ -31,8 +31,8 @@ def main():
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--kv-budget-blocks", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--kv-budget-pages", type=int, default=4)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 10**9, help="per device")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
@@ -43,7 +43,7 @@ def main():
         tokens = {}
         for size in (1, args.tensor_parallel_size):
             llm = LLM(args.model, tensor_parallel_size=size, dtype=args.dtype, attention_backend=args.attention_backend,
-                      compression=compression, kv_budget_blocks=args.kv_budget_blocks, block_size=args.block_size,
+                      compression=compression, kv_budget_pages=args.kv_budget_pages, page_size=args.page_size,
                       max_num_seqs=args.requests, max_model_len=args.prompt_len + args.max_tokens + 1,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, compilation_cache_dir=None)
             rng = np.random.default_rng(0)

@@ -101,7 +101,7 @@ def test_compress_with_the_kernel_equals_jnp():
     score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
     query_cache = jnp.asarray(rng.standard_normal((layers, 5, window, hkv * group, dim)), jnp.bfloat16)
     plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
-                           dst_tables=tables[:, :budget], query_slots=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                           dst_tables=tables[:, :budget], query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
                            logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
                            compressed_before=jnp.asarray([True, False, True, False]),
                            valid=jnp.asarray(num_src > 0))
@@ -145,10 +145,10 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
 
     def generate(backend_name):
-        config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", block_size=16, max_model_len=128,
-                              max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=24,
+        config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", page_size=16, max_model_len=128,
+                              max_num_seqs=2, max_num_batched_tokens=64, num_gpu_pages_override=24,
                               attention_backend=backend_name, enable_prefix_caching=False,
-                              compilation_cache_dir=None, compression=True, kv_budget_blocks=2, window=8,
+                              compilation_cache_dir=None, compression=True, kv_budget_pages=2, window=8,
                               sink_tokens=1)
         engine = LLMEngine(config, model_cfg, params)
         requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]

@@ -16,8 +16,8 @@ MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per sh
 FOUR_KV = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                       qk_norm=True, max_position_embeddings=512)
-OPTIONS = dict(block_size=16, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
-               compilation_cache_dir=None, kv_budget_blocks=2)
+OPTIONS = dict(page_size=16, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+               compilation_cache_dir=None, kv_budget_pages=2)
 
 
 def greedy_run(model, prompts, tensor_parallel_size, compression):
