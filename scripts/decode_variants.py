@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--attention-backend", default="mosaic_decode")
     parser.add_argument("--json")
@@ -69,7 +69,7 @@ def main():
     cfg = MODEL_SHAPES[args.model_shape]
     dtype = jnp.dtype(cfg.dtype)
     backend = resolve_backend(args.attention_backend)
-    page, ctx = args.block_size, args.ctx
+    page, ctx = args.page_size, args.ctx
     per_request = ctx // page + 1
     num_pages = max(args.batch) * per_request + 1
     stacked = weights.init_random_params(cfg, jax.random.key(0), dtype)

@@ -16,7 +16,7 @@ tar -czf "$OUT/tiny-reasoner.tgz" -C "$OUT" tiny-reasoner
 n=${PROBLEMS:-48}
 left=$(( ${DEADLINE:-380} - ($(date +%s) - start) - 40 ))  # the last configuration started must still finish
 python3 -m zipage_jax.sweep --model "$ckpt" --data synthetic:test:"$n" --data synthetic:interleaved_sums:test:"$n" \
-  --budgets "${BUDGETS:-4,6,9,19}" --block-size 16 --max-num-seqs 512 --num-gpu-blocks-override 32768 \
+  --budgets "${BUDGETS:-4,6,9,19}" --page-size 16 --max-num-seqs 512 --num-gpu-pages-override 32768 \
   --attention-backend reference \
   --compilation-cache-dir /tmp/xla-cache --deadline-s "$left" \
   --config full-kv:compression=false --config default --config no-global:global_score=false \

@@ -5,16 +5,16 @@
 #   OUT=/tmp/out bash scripts/gpu_bench_scheduling.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-common=(--data synthetic:test:500 --block-size 16 --attention-backend reference --max-num-seqs 256 --no-warmup
+common=(--data synthetic:test:500 --page-size 16 --attention-backend reference --max-num-seqs 256 --no-warmup
         --no-progress --compilation-cache-dir /tmp/xla-cache)
 set -- ${EVALS:-}
 while [ $# -ge 2 ]; do
-  extra=(); [ "$1" != full ] && extra=(--compression --kv-budget-blocks "$2" --eviction-policy "$1")
+  extra=(); [ "$1" != full ] && extra=(--compression --kv-budget-pages "$2" --eviction-policy "$1")
   timeout 110 python3 -m zipage_jax.eval "${common[@]}" "${extra[@]}" --output "$OUT/eval_$1_$2.json" 2>&1 | tail -2
   shift 2
 done
 timeout "${SCHED_TIMEOUT:-230}" python3 -m zipage_jax.bench scheduling --model-shape qwen3-0.6b --requests 96 \
-  --prompt-len 256 --output-len 1280 --kv-budget-blocks 8 --block-size 64 --num-pages 520 --attention-backend auto \
+  --prompt-len 256 --output-len 1280 --kv-budget-pages 8 --page-size 64 --num-pages 520 --attention-backend auto \
   --compilation-cache-dir /tmp/xla-cache --json "$OUT/scheduling.json" --png "$OUT/scheduling.png" 2>&1 \
   | grep -v "^ " | tee "$OUT/scheduling.log" | tail -12
 timeout "${COMP_TIMEOUT:-100}" python3 -m zipage_jax.compression.bench --comp-batch 64,256 \

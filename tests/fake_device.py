@@ -2,7 +2,7 @@
 
 ``FakeDevice`` implements ``runner.Runner``: it executes each scheduler output in the engine's dispatch order
 (swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against a pool whose
-slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each slot holder's
+slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each query-row holder's
 computed tokens, and a token buffer; a decode whose input token is still pending reads it from that buffer, as
 the device does. "Sampling" hashes the slots read through the page table, so any lost, misplaced or overwritten
 KV changes the output. A compression keeps, per request, the ``M * S`` live slots with the highest hash of
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from zipage_jax.block_manager import NULL_PAGE, BlockManager
+from zipage_jax.page_manager import NULL_PAGE, PageManager
 from zipage_jax.compression import ScoringConfig
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine import LLMEngine
@@ -25,7 +25,7 @@ from zipage_jax.request import PENDING, Request, RequestStatus
 from zipage_jax.runner import StepHandle
 from zipage_jax.scheduler import Scheduler
 
-BLOCK = 4
+PAGE = 4
 VOCAB = 3  # tiny, so prompts share prefixes and the prefix cache hits
 WINDOW = 2
 
@@ -39,10 +39,10 @@ class FakeDevice:
 
     def __init__(self, scheduler: Scheduler):
         self.s = scheduler
-        self.bm = scheduler.block_manager
-        self.pool = {page: [None] * BLOCK for page in range(self.bm.num_pages)}
+        self.bm = scheduler.page_manager
+        self.pool = {page: [None] * PAGE for page in range(self.bm.num_pages)}
         self.buffer = [None] * (scheduler.max_num_seqs + 1)
-        self.queries = [[None] * WINDOW for _ in range(scheduler.num_query_slots)]
+        self.queries = [[None] * WINDOW for _ in range(scheduler.num_query_rows)]
         self.stats = collections.Counter()
 
     # -- runner.Runner -------------------------------------------------------------------------------------
@@ -78,26 +78,26 @@ class FakeDevice:
 
     # -- the device math, on tokens ------------------------------------------------------------------------
     def _write(self, request, physical, position, token):
-        page = request.block_ids[physical // BLOCK]
+        page = request.page_ids[physical // PAGE]
         assert page != NULL_PAGE, "write to the null page"
         assert self.bm.ref_count[page] == 1 and self.bm.page_hash[page] is None, "write to a shared/cached page"
-        self.pool[page][physical % BLOCK] = (position, token)
-        if request.query_slot is not None:
-            self.queries[request.query_slot][position % WINDOW] = (position, token)
+        self.pool[page][physical % PAGE] = (position, token)
+        if request.query_row is not None:
+            self.queries[request.query_row][position % WINDOW] = (position, token)
 
     def _sample(self, request) -> int:
         n = request.num_physical_tokens
-        seq = [self.pool[request.block_ids[i // BLOCK]][i % BLOCK] for i in range(n)]
+        seq = [self.pool[request.page_ids[i // PAGE]][i % PAGE] for i in range(n)]
         assert None not in seq, "attention would read a slot nobody wrote"
         token = digest(seq) % VOCAB
-        self.buffer[request.token_slot] = token
+        self.buffer[request.token_row] = token
         return token
 
     def decode(self, request) -> int:
         index = request.num_computed_tokens - 1
         token = request.token_at(index)
         if token == PENDING:
-            token = self.buffer[request.token_slot]
+            token = self.buffer[request.token_row]
         self._write(request, request.num_physical_tokens - 1, index, token)
         return self._sample(request)
 
@@ -105,38 +105,38 @@ class FakeDevice:
         r = chunk.request
         ids = r.token_slice(chunk.start, chunk.start + chunk.num_tokens)
         assert PENDING not in ids and not r.compressed
-        slot = r.query_slot
+        slot = r.query_row
         for j, token in enumerate(ids):
             if j < len(ids) - WINDOW:  # like the runner: queries of the chunk's last W tokens only
-                r.query_slot = None
+                r.query_row = None
             self._write(r, chunk.start + j, chunk.start + j, token)
-            r.query_slot = slot
+            r.query_row = slot
         return self._sample(r) if chunk.samples else None
 
     def compress(self, c, budget):
         r = c.request
-        assert r.query_slot is not None, "compression without a query slot"
-        window = self.queries[r.query_slot]
+        assert r.query_row is not None, "compression without a query row"
+        window = self.queries[r.query_row]
         assert sorted(p for p, _ in window) == list(range(c.logical_len - WINDOW, c.logical_len)), \
             "window queries missing or stale"
-        live = [self.pool[p][s] for p in c.src_pages for s in range(BLOCK)]
+        live = [self.pool[p][s] for p in c.src_pages for s in range(PAGE)]
         assert None not in live
         protected = len(live) - WINDOW
         score = [float("inf") if i >= protected else digest([slot, sorted(window)]) for i, slot in enumerate(live)]
-        keep = sorted(sorted(range(len(live)), key=lambda i: -score[i])[:budget * BLOCK])
+        keep = sorted(sorted(range(len(live)), key=lambda i: -score[i])[:budget * PAGE])
         kept = [live[i] for i in keep]
         for i, page in enumerate(c.dst_pages):
             assert self.bm.ref_count[page] == 1
-            self.pool[page] = kept[i * BLOCK:(i + 1) * BLOCK]
+            self.pool[page] = kept[i * PAGE:(i + 1) * PAGE]
 
     def swap_out(self, swap):
-        return [list(self.pool[p]) for p in swap.pages], list(self.queries[swap.query_slot])
+        return [list(self.pool[p]) for p in swap.pages], list(self.queries[swap.query_row])
 
     def swap_in(self, request):
         pages, queries = request.swap_state
-        for page, content in zip(request.block_ids, pages):
+        for page, content in zip(request.page_ids, pages):
             self.pool[page] = list(content)
-        self.queries[request.query_slot] = list(queries)
+        self.queries[request.query_row] = list(queries)
         request.swap_state = None
 
     # -- invariants ----------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class FakeDevice:
         assert all(r.status == RequestStatus.RUNNING and r in s.running for r in scheduled)
         assert not any(r in s.running for r in out.preempted)
         compressing = {id(c.request) for c in out.compressions}
-        assert all(c.request.query_slot is not None for c in out.compressions), "slot-less compression"
+        assert all(c.request.query_row is not None for c in out.compressions), "slot-less compression"
         if s.async_compression:
             assert not compressing & {id(r) for r in scheduled}, "decoded while its compression is pending"
         assert not {id(r) for r in out.stalled} & ({id(r) for r in scheduled} | compressing)
@@ -157,44 +157,44 @@ class FakeDevice:
             assert sum(len(c.src_pages) for c in out.compressions) <= s.max_compression_pages
         for r in out.preempted:  # compressed ones are swapped, the others recomputed
             assert r.status == (RequestStatus.SWAPPED if r.compressed else RequestStatus.WAITING)
-        for r in scheduled:  # a slot-less request never computes into the window of its first compression
-            if s.compression and r.query_slot is None:
+        for r in scheduled:  # a request without a query row never computes into the window of its first compression
+            if s.compression and r.query_row is None:
                 assert not r.compressed and r.num_computed_tokens <= s.first_due(r) - WINDOW
 
     def check_state(self):
         s = self.s
         self.bm.check_invariants(list(s.running) + list(s.waiting) + list(s.swapped))
-        tokens = [r.token_slot for r in s.running]
+        tokens = [r.token_row for r in s.running]
         assert None not in tokens and len(set(tokens)) == len(tokens)
-        holders = [r for r in s.running if r.query_slot is not None]
-        assert len({r.query_slot for r in holders}) == len(holders), "a query slot held twice"
-        assert len(holders) + len(s.free_query_slots) == s.num_query_slots
-        assert all(r.query_slot is None for r in list(s.waiting) + s.swapped)
+        holders = [r for r in s.running if r.query_row is not None]
+        assert len({r.query_row for r in holders}) == len(holders), "a query row held twice"
+        assert len(holders) + len(s.free_query_rows) == s.num_query_rows
+        assert all(r.query_row is None for r in list(s.waiting) + s.swapped)
         assert s.committed_pages == sum(s.budget(r) + 1 for r in holders) <= self.bm.num_pages - 1
         for r in s.running:
             if s.compression and not s.hybrid_admission:
-                assert r.query_slot is not None, "constrained admission runs only slot holders"
+                assert r.query_row is not None, "constrained admission runs only query-row holders"
             if r.compressed:
-                assert r.query_slot is not None and len(r.block_ids) <= s.budget(r) + 1
-                assert all(self.bm.ref_count[p] == 1 for p in r.block_ids), "a compressed request shares a page"
-        assert all(not r.block_ids and r.swap_state is not None for r in s.swapped)
+                assert r.query_row is not None and len(r.page_ids) <= s.budget(r) + 1
+                assert all(self.bm.ref_count[p] == 1 for p in r.page_ids), "a compressed request shares a page"
+        assert all(not r.page_ids and r.swap_state is not None for r in s.swapped)
 
 
 def fake_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2, prefix_caching=True,
                 **compression) -> LLMEngine:
     """The real engine over a fake device; ``compression``: the scheduler's compression arguments."""
-    settings = dict(compression=False, kv_budget_blocks=8, hybrid_admission=True, async_compression=True,
-                    compression_min_batch=1, compression_max_wait_steps=0, num_query_slots=None,
+    settings = dict(compression=False, kv_budget_pages=8, hybrid_admission=True, async_compression=True,
+                    compression_min_batch=1, compression_max_wait_steps=0, num_query_rows=None,
                     max_compression_pages=None)
     unknown = set(compression) - set(settings)
     assert not unknown, unknown
     settings.update(compression)
-    num_query_slots = (settings.pop("num_query_slots") or max_num_seqs) if settings["compression"] else 0
-    plan = SimpleNamespace(num_query_slots=num_query_slots, max_compression_pages=settings.pop("max_compression_pages"))
+    num_query_rows = (settings.pop("num_query_rows") or max_num_seqs) if settings["compression"] else 0
+    plan = SimpleNamespace(num_query_rows=num_query_rows, max_compression_pages=settings.pop("max_compression_pages"))
     sched_config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_prefill_seqs=max_num_prefill_seqs, scoring=ScoringConfig(window=WINDOW),
                                    **settings)  # toy sizes EngineConfig would reject
-    scheduler = Scheduler(BlockManager(num_pages, BLOCK, prefix_caching), sched_config, plan)
+    scheduler = Scheduler(PageManager(num_pages, PAGE, prefix_caching), sched_config, plan)
     config = EngineConfig(model="fake-device", max_model_len=4096, metrics_interval_steps=0)
     return LLMEngine(config, scheduler=scheduler, runner=FakeDevice(scheduler))
 
@@ -220,6 +220,6 @@ def run(engine: LLMEngine, requests: list[Request], arrivals=None, aborts=None, 
             on_step(engine)
         step += 1
     assert all(r.status.finished for r in requests)
-    assert not s.has_work() and engine.block_manager.num_used_pages == 0 and not engine.block_manager.deferred
-    assert sorted(s.free_token_slots) == list(range(s.max_num_seqs))
-    assert sorted(s.free_query_slots) == list(range(s.num_query_slots)) and s.committed_pages == 0
+    assert not s.has_work() and engine.page_manager.num_used_pages == 0 and not engine.page_manager.deferred
+    assert sorted(s.free_token_rows) == list(range(s.max_num_seqs))
+    assert sorted(s.free_query_rows) == list(range(s.num_query_rows)) and s.committed_pages == 0

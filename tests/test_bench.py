@@ -12,7 +12,7 @@ from zipage_jax.models import forward_dense
 
 CTX, STEPS, WARMUP = 20, 3, 3
 ARGS = ["decode", "--model-shape", "tiny", "--batch", "1", "3", "--ctx", str(CTX), "--steps", str(STEPS),
-        "--warmup-steps", str(WARMUP), "--block-size", "16", "--dtype", "float32", "--prefill-tokens", "32",
+        "--warmup-steps", str(WARMUP), "--page-size", "16", "--dtype", "float32", "--prefill-tokens", "32",
         "--prefill-seqs", "2"]
 
 
@@ -60,7 +60,7 @@ def test_bad_arguments_raise():
 def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     out, png = tmp_path / "sched.json", tmp_path / "sched.png"
     bench.main(["scheduling", "--model-shape", "tiny", "--requests", "4", "--prompt-len", "5", "--output-len", "60",
-                "--kv-budget-blocks", "1", "--block-size", "16", "--num-pages", "9", "--num-query-slots", "2",
+                "--kv-budget-pages", "1", "--page-size", "16", "--num-pages", "9", "--num-query-rows", "2",
                 "--dtype", "float32", "--prefill-tokens", "32", "--prefill-seqs", "2",
                 "--metrics-interval-steps", "4", "--no-warmup", "--compilation-cache-dir", "", "--json", str(out), "--png", str(png)])
     report = json.loads(out.read_text())
@@ -69,7 +69,7 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     for r in results:
         assert r["output_tokens"] == 4 * 60 and r["num_compressions"] > 0 and r["history"]
         assert r["host_ms_per_step"] > 0 and 0 <= r["compression_time_share"] <= 1
-        assert r["sizing"]["num_query_slots"] == 2 and r["sizing"]["num_pages"] == 9
+        assert r["sizing"]["num_query_rows"] == 2 and r["sizing"]["num_pages"] == 9
         assert r["tokens"] == results[0]["tokens"]  # greedy: async == sync == constrained, nothing lost
     assert max(h["num_running"] for h in results[0]["history"]) > 2  # hybrid runs past the 2 slots
     assert max(h["num_running"] for h in results[2]["history"]) <= 2
@@ -80,10 +80,10 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     from zipage_jax.engine import DEFAULT_MODEL
 
     out = tmp_path / "startup.jsonl"
-    options = ["--block-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
+    options = ["--page-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
                "--compilation-cache-dir", "none"]  # the engine options every CLI generates from EngineConfig
     report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)])
-    assert report["engine_options"] == dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+    assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                             max_model_len=512, compilation_cache_dir=None)
     assert report["programs"] == 2 * 1 + 3  # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0

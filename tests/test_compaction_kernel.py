@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compaction import compact_slots
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
-from test_scoring_kernel import random_problem as scoring_problem  # tests/ is on sys.path under pytest
+from helpers import random_problem as scoring_problem
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
@@ -166,7 +166,7 @@ def test_compress_through_the_kernel_equals_compress():
     dst = np.array(tables[:, :budget])
     dst[1, 0], dst[2, 1] = spare[:2]  # copy-on-write pages next to in-place ones
     plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
-                           dst_tables=jnp.asarray(dst), query_slots=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                           dst_tables=jnp.asarray(dst), query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
                            logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
                            compressed_before=jnp.asarray([True, False, True, False]),
                            valid=jnp.asarray(num_src > 0))

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
 
 
 def make_llm(**kwargs):
-    opts = dict(block_size=PAGE, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+    opts = dict(page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
                 compilation_cache_dir=None)
     opts.update(kwargs)
     return LLM(MODEL, **opts)
@@ -60,7 +60,7 @@ def test_window_policy_equals_masked_dense_attention(prompt_len, sinks):
     """Eviction, compaction, recent-page refill and RoPE positions checked against a dense masked forward."""
     rng = seeded_rng()
     budget = 3
-    llm = make_llm(compression=True, kv_budget_blocks=budget, eviction_policy="window", sink_tokens=sinks)
+    llm = make_llm(compression=True, kv_budget_pages=budget, eviction_policy="window", sink_tokens=sinks)
     prompt = random_prompt(rng, prompt_len)
     params = dataclasses.replace(GREEDY, max_tokens=110)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -74,7 +74,7 @@ def test_budget_above_length_equals_full_kv():
     rng = seeded_rng()
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(5, 40, size=4)]
     full = make_llm().generate(prompts, GREEDY, use_tqdm=False)
-    compressed_llm = make_llm(compression=True, kv_budget_blocks=8)  # 8 pages = 128 tokens > 40 + 70
+    compressed_llm = make_llm(compression=True, kv_budget_pages=8)  # 8 pages = 128 tokens > 40 + 70
     compressed = compressed_llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in compressed] == [o.outputs[0].token_ids for o in full]
     assert compressed_llm.metrics()["num_compressions"] == 0
@@ -89,30 +89,30 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     """Every step: compressed requests hold <= M+1 pages, page accounting is exact, shared pages are untouched."""
     rng = seeded_rng()
     budget = 2
-    llm = make_llm(compression=True, kv_budget_blocks=budget, **knobs)
+    llm = make_llm(compression=True, kv_budget_pages=budget, **knobs)
     engine = llm.engine
     prefix = random_prompt(rng, 2 * PAGE + 3)
     warm = llm.generate([prefix], dataclasses.replace(GREEDY, max_tokens=1), use_tqdm=False)
     assert warm[0].outputs[0].token_ids
-    shared = [engine.block_manager.hash_to_page[h] for h in list(engine.block_manager.hash_to_page)[:2]]
+    shared = [engine.page_manager.hash_to_page[h] for h in list(engine.page_manager.hash_to_page)[:2]]
     before = np.asarray(engine.runner.state.k_pool[:, shared]), np.asarray(engine.runner.state.v_pool[:, shared])
     # the holder keeps a reference to the shared pages while the others compress (and copy them on write)
-    engine.add_request("holder", prefix + random_prompt(rng, 4), dataclasses.replace(GREEDY, kv_budget_blocks=8))
+    engine.add_request("holder", prefix + random_prompt(rng, 4), dataclasses.replace(GREEDY, kv_budget_pages=8))
     for i in range(4):
         engine.add_request(f"r{i}", prefix + random_prompt(rng, 5 + i), GREEDY)
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
         live = engine.scheduler.running + list(engine.scheduler.waiting)
-        engine.block_manager.check_invariants(live)
+        engine.page_manager.check_invariants(live)
         for r in engine.scheduler.running:
             if r.compressed:
-                assert len(r.block_ids) <= budget + 1
+                assert len(r.page_ids) <= budget + 1
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in finished.values())
     assert all(o.metrics["num_cached_tokens"] == 2 * PAGE for o in finished.values())
     compressed = [finished[f"r{i}"].metrics for i in range(4)]
     assert all(m["num_compressions"] >= 3 for m in compressed)
-    assert all(m["peak_kv_blocks_after_compression"] <= budget + 1 for m in compressed)
+    assert all(m["peak_kv_pages_after_compression"] <= budget + 1 for m in compressed)
     np.testing.assert_array_equal(np.asarray(engine.runner.state.k_pool[:, shared]), before[0])
     np.testing.assert_array_equal(np.asarray(engine.runner.state.v_pool[:, shared]), before[1])
     assert engine.metrics()["kv_pages_used"] == 0
@@ -120,35 +120,35 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
 
 def test_per_request_budget_and_invalid_knobs():
     rng = seeded_rng()
-    llm = make_llm(compression=True, kv_budget_blocks=4)
-    tight = dataclasses.replace(GREEDY, kv_budget_blocks=2)
+    llm = make_llm(compression=True, kv_budget_pages=4)
+    tight = dataclasses.replace(GREEDY, kv_budget_pages=2)
     outs = llm.generate([random_prompt(rng, 10)] * 2, [GREEDY, tight], use_tqdm=False)
-    assert outs[0].metrics["peak_kv_blocks_after_compression"] <= 5
-    assert outs[1].metrics["peak_kv_blocks_after_compression"] <= 3
+    assert outs[0].metrics["peak_kv_pages_after_compression"] <= 5
+    assert outs[1].metrics["peak_kv_pages_after_compression"] <= 3
     assert outs[1].metrics["num_compressions"] > outs[0].metrics["num_compressions"]
-    wide = make_llm(compression=True, kv_budget_blocks=4, window=PAGE, sink_tokens=4)
-    with pytest.raises(ValueError, match="kv_budget_blocks"):
-        wide.engine.add_request("no-room", [5, 6, 7], dataclasses.replace(GREEDY, kv_budget_blocks=1))
-    with pytest.raises(ValueError, match="kv_budget_blocks"):
+    wide = make_llm(compression=True, kv_budget_pages=4, window=PAGE, sink_tokens=4)
+    with pytest.raises(ValueError, match="kv_budget_pages"):
+        wide.engine.add_request("no-room", [5, 6, 7], dataclasses.replace(GREEDY, kv_budget_pages=1))
+    with pytest.raises(ValueError, match="kv_budget_pages"):
         make_llm().engine.add_request("full-kv", [5, 6, 7], tight)
     for bad in (dict(window=0), dict(window=PAGE * 2), dict(eviction_policy="lru"), dict(redundancy="some"),
                 dict(decay=1.5), dict(pooling_width=4), dict(sink_tokens=PAGE * 8)):
         field = next(iter(bad))
         with pytest.raises(ValueError, match=field):
-            make_llm(compression=True, kv_budget_blocks=4, **bad)
+            make_llm(compression=True, kv_budget_pages=4, **bad)
 
 
 def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
-    """Under memory pressure: the small-budget requests take both query slots first, the large-budget front
+    """Under memory pressure: the small-budget requests take both query rows first, the large-budget front
     request (still without one) runs out of pages and the compressed tail is swapped out and back. Every
     request decodes what it decodes alone with the same budget, in asynchronous and synchronous mode alike."""
     rng = seeded_rng()
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(2, 6, size=3)]
-    params = [dataclasses.replace(GREEDY, kv_budget_blocks=b) for b in (3, 1, 1)]
-    alone_llm = make_llm(compression=True, kv_budget_blocks=1, window=4)
+    params = [dataclasses.replace(GREEDY, kv_budget_pages=b) for b in (3, 1, 1)]
+    alone_llm = make_llm(compression=True, kv_budget_pages=1, window=4)
     want = [alone_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    tight = dict(compression=True, kv_budget_blocks=1, window=4, num_gpu_blocks_override=8, max_model_len=112,
-                 max_num_seqs=3, num_query_slots=2, metrics_interval_steps=1)
+    tight = dict(compression=True, kv_budget_pages=1, window=4, num_gpu_pages_override=8, max_model_len=112,
+                 max_num_seqs=3, num_query_rows=2, metrics_interval_steps=1)
     for async_compression in (True, False):
         llm = make_llm(async_compression=async_compression, **tight)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -156,12 +156,12 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
         m = llm.metrics()
         assert m["num_swaps"] > 0 and m["num_compressions"] > 0 and m["kv_pages_used"] == 0
         history = llm.engine.metrics_history()
-        assert max(h["num_swapped"] for h in history) >= 1 and max(h["query_slots_used"] for h in history) == 2
+        assert max(h["num_swapped"] for h in history) >= 1 and max(h["query_rows_used"] for h in history) == 2
         assert all(0 <= h["page_occupancy"] <= 1 for h in history)
 
 
 def test_compressed_mixed_workload_compiles_nothing_after_warmup():
-    llm = make_llm(compression=True, kv_budget_blocks=2)
+    llm = make_llm(compression=True, kv_budget_pages=2)
     llm.warmup(use_tqdm=False)
     before = llm.metrics()["num_compiles"]
     seed = fresh_seed()

@@ -123,7 +123,7 @@ def make_problem(rng, hkv, group, rows, padding, max_src=5):
     num_src = np.zeros(total, np.int32)
     logical = np.zeros(total, np.int32)
     before = np.zeros(total, bool)
-    query_slots = rng.permutation(query_cache.shape[1])[:total].astype(np.int32)
+    query_rows = rng.permutation(query_cache.shape[1])[:total].astype(np.int32)
     for b in range(rows):
         before[b] = rng.random() < 0.5
         num_src[b] = BUDGET + 1 if before[b] else rng.integers(BUDGET + 1, max_src + 1)
@@ -135,7 +135,7 @@ def make_problem(rng, hkv, group, rows, padding, max_src=5):
         src[b], dst[b], num_src[b], logical[b] = src[0], src[0, :BUDGET], num_src[0], logical[0]
     order = rng.permutation(total)  # padding rows anywhere in the bucket
     plan = dict(src_tables=src[order], num_src_pages=num_src[order], dst_tables=dst[order],
-                query_slots=query_slots[order], logical_lens=logical[order], compressed_before=before[order],
+                query_rows=query_rows[order], logical_lens=logical[order], compressed_before=before[order],
                 valid=(np.arange(total) < rows)[order])
     return k_pool, v_pool, score_cache, query_cache, plan
 
@@ -154,7 +154,7 @@ def oracle_scores(k_pool, score_cache, query_cache, plan, cfg):
         n, table = plan["num_src_pages"][b] * PAGE, plan["src_tables"][b]
         keys = np.stack([slot_values(k_pool, layer, table, n) for layer in range(LAYERS)]).astype(np.float64)
         history = np.stack([slot_values(score_cache, layer, table, n) for layer in range(LAYERS)])
-        queries = window_queries(query_cache, plan["query_slots"][b], plan["logical_lens"][b]).astype(np.float64)
+        queries = window_queries(query_cache, plan["query_rows"][b], plan["logical_lens"][b]).astype(np.float64)
         final[b, :, :, :n], glob[b, :, :, :n] = np_request_scores(
             keys, queries, history, plan["compressed_before"][b], cfg, PAGE)
     return final, glob
@@ -341,7 +341,7 @@ def test_consecutive_compressions_carry_the_kept_history(group):
     keep = BUDGET * PAGE
     kdev, vdev, sdev = jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache)
     qcache = query_cache.copy()
-    slot = plan["query_slots"][row]
+    slot = plan["query_rows"][row]
     for round_index in range(rounds):
         logical = plan["logical_lens"][row]
         queries = window_queries(qcache, slot, logical).astype(np.float64)

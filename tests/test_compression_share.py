@@ -25,8 +25,8 @@ class FakeClock:
 def test_steady_share_excludes_warmup(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    llm = LLM("tests/fixtures/hf/qwen3_untied", block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_blocks=2)
+    llm = LLM("tests/fixtures/hf/qwen3_untied", page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_pages=2)
     engine = llm.engine
     warmup = engine.runner.warmup
 

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def make_llm(name="qwen3", **kwargs):
-    opts = dict(block_size=16, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=160,
+    opts = dict(page_size=16, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=160,
                 compilation_cache_dir=None)
     opts.update(kwargs)
     return LLM(f"{FIXTURES}/{name}", **opts)
@@ -105,7 +105,7 @@ def test_preemption_by_recompute_is_lossless():
     prompts = random_prompts(rng, 8, lo=20, hi=40)
     params = dataclasses.replace(GREEDY, max_tokens=30)
     roomy = token_ids(make_llm().generate(prompts, params, use_tqdm=False))
-    tight = make_llm(num_gpu_blocks_override=12)  # 11 usable pages; each request needs up to 5
+    tight = make_llm(num_gpu_pages_override=12)  # 11 usable pages; each request needs up to 5
     assert token_ids(tight.generate(prompts, params, use_tqdm=False)) == roomy
     assert tight.metrics()["num_preempted"] > 0
 
@@ -145,8 +145,8 @@ def test_bad_inputs_raise_and_engine_keeps_serving(llm):
         SamplingParams(top_p=1.5)
     with pytest.raises(TypeError, match="bogus"):
         make_llm(bogus=1)
-    with pytest.raises(ValueError, match="block_size"):
-        make_llm(block_size=24)
+    with pytest.raises(ValueError, match="page_size"):
+        make_llm(page_size=24)
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})

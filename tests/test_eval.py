@@ -153,15 +153,15 @@ def test_every_engine_field_is_an_option():
     assert names == list(option_fields())  # EngineConfig's fields, the nested scoring knobs flat
     assert {"window", "eviction_policy"} < set(names) and "scoring" not in names
     args = parser.parse_args(["--data", "d", "--no-enable-prefix-caching", "--compression", "--decay", "0.5",
-                              "--kv-budget-blocks", "4", "--max-model-len", "none", "--eviction-policy", "window"])
-    assert (args.enable_prefix_caching, args.compression, args.decay, args.kv_budget_blocks, args.max_model_len,
+                              "--kv-budget-pages", "4", "--max-model-len", "none", "--eviction-policy", "window"])
+    assert (args.enable_prefix_caching, args.compression, args.decay, args.kv_budget_pages, args.max_model_len,
             args.eviction_policy) == (False, True, 0.5, 4, None, "window")
     assert "global_score" not in vars(args)  # unset options leave the engine default in place
 
 
 @pytest.mark.parametrize("argv, option", [
-    (["--block-size", "17"], "--block-size"),
-    (["--block-size", "many"], "--block-size"),
+    (["--page-size", "17"], "--page-size"),
+    (["--page-size", "many"], "--page-size"),
     (["--eviction-policy", "random"], "--eviction-policy"),
     (["--decay", "2"], "--decay"),
     (["--samples", "0"], "--samples"),
@@ -210,14 +210,14 @@ def test_cli_end_to_end_on_a_jsonl_file(tmp_path):
                     '{"problem": "Compute 1+1.", "solution": "It is $\\\\boxed{2}$."}\n')
     out = tmp_path / "out" / "report.json"
     run = subprocess.run([sys.executable, "-m", "zipage_jax.eval", "--model", MODEL, "--data", str(data),
-                          "--samples", "2", "--temperature", "1.0", "--max-tokens", "12", "--block-size", "16",
+                          "--samples", "2", "--temperature", "1.0", "--max-tokens", "12", "--page-size", "16",
                           "--no-warmup", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "accuracy" in run.stdout and "no chat template" in run.stderr
     report = json.loads(out.read_text())
     _check_report(report, num_questions=2, samples=2)
     assert [r["reference"] for r in report["records"]] == ["36", "36", "2", "2"]
-    assert report["sampling"]["temperature"] == 1.0 and report["engine_config"]["block_size"] == 16
+    assert report["sampling"]["temperature"] == 1.0 and report["engine_config"]["page_size"] == 16
     assert report["warmup"] is None
     by_question = [[r["output"] for r in report["records"] if r["index"] == i] for i in range(2)]
     assert any(a != b for a, b in by_question)  # distinct seeds per sample
@@ -226,12 +226,12 @@ def test_cli_end_to_end_on_a_jsonl_file(tmp_path):
 def test_cli_on_the_synthetic_split_with_compression(tmp_path, capsys):
     out = tmp_path / "report.json"
     report = main(["--model", MODEL, "--data", "synthetic:test:5", "--limit", "3", "--max-tokens", "40",
-                   "--block-size", "16", "--compression", "--kv-budget-blocks", "2", "--no-progress",
+                   "--page-size", "16", "--compression", "--kv-budget-pages", "2", "--no-progress",
                    "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--output", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     _check_report(report, num_questions=3, samples=1)
     assert [r["question"] for r in report["records"]] == [p.question for p in sample_problems(3, 0, "test")]
-    assert report["engine_config"]["compression"] and report["engine_config"]["kv_budget_blocks"] == 2
+    assert report["engine_config"]["compression"] and report["engine_config"]["kv_budget_pages"] == 2
     # a prompt of ~20 tokens plus 40 generated ones outgrows a 2-page budget of 16-token pages
     assert report["compressions_per_request"]["mean"] >= 1
     printed = capsys.readouterr().out

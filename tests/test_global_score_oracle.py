@@ -164,8 +164,8 @@ CONFIGS = [  # every scoring knob given explicitly: the oracle reads them from h
 def test_score_cache_follows_the_decayed_maximum_token_by_token(knobs):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    llm = LLM(MODEL, block_size=PAGE, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
-              compilation_cache_dir=None, compression=True, kv_budget_blocks=BUDGET, **knobs)
+    llm = LLM(MODEL, page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
+              compilation_cache_dir=None, compression=True, kv_budget_pages=BUDGET, **knobs)
     engine, cfg = llm.engine, types.SimpleNamespace(**knobs)
     shared = rng.integers(3, 250, size=2 * PAGE).tolist()  # two full prompt pages, shared through the prefix cache
     llm.generate([shared + [7]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # publishes them
@@ -196,7 +196,7 @@ def test_score_cache_follows_the_decayed_maximum_token_by_token(knobs):
             logical_len = int(plan.logical_lens[row])
             oracle.cached(event["k_before"], src, logical_len)
             window_positions = np.arange(logical_len - cfg.window, logical_len)
-            queries = event["queries"][:, plan.query_slots[row], window_positions % cfg.window].astype(np.float64)
+            queries = event["queries"][:, plan.query_rows[row], window_positions % cfg.window].astype(np.float64)
             # layer 0: the cached keys and the ring's queries belong to the positions the oracle assigns them
             q0, k0 = layer0_qk(engine, tokens[rid], np.arange(len(tokens[rid])))
             np.testing.assert_allclose(queries[0], q0[window_positions], rtol=1e-4, atol=1e-5, err_msg=str(seed))

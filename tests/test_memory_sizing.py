@@ -1,4 +1,4 @@
-"""Memory sizing (docs/ARCHITECTURE.md, Compression: concurrency): pool size, query slots C and concurrency from a
+"""Memory sizing (docs/ARCHITECTURE.md, Compression: concurrency): pool size, query rows C and concurrency from a
 byte budget, with the peak step and compression scratch reserved; the scratch estimates bound what XLA actually
 allocates."""
 
@@ -18,30 +18,30 @@ CFG = ModelConfig.from_pretrained(MODEL)
 
 
 def config(**kwargs):
-    opts = dict(model=MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-                compression=True, kv_budget_blocks=2, compilation_cache_dir=None)
+    opts = dict(model=MODEL, page_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+                compression=True, kv_budget_pages=2, compilation_cache_dir=None)
     opts.update(kwargs)
     return EngineConfig.from_kwargs(**opts)
 
 
 def shapes_bytes(m, c, itemsize):
     """Independent arithmetic from the array shapes: one page of K, V (+ f32 score) and one query-cache row."""
-    page = np.prod([m.num_layers, m.num_kv_heads, c.block_size, m.head_dim]) * itemsize * 2
-    page += np.prod([m.num_layers, m.num_kv_heads, c.block_size]) * 4 if c.scoring.global_score else 0
+    page = np.prod([m.num_layers, m.num_kv_heads, c.page_size, m.head_dim]) * itemsize * 2
+    page += np.prod([m.num_layers, m.num_kv_heads, c.page_size]) * 4 if c.scoring.global_score else 0
     slot = np.prod([m.num_layers, c.scoring.window, m.num_heads, m.head_dim]) * itemsize
     return int(page), int(slot)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_slots=3)])
-def test_pool_and_query_slots_from_a_byte_budget(kwargs):
+@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_rows=3)])
+def test_pool_and_query_rows_from_a_byte_budget(kwargs):
     rng = seeded_rng()
     c = config(kv_cache_memory_bytes=int(rng.integers(320_000, 700_000)), **kwargs)
     plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
     page, slot = shapes_bytes(CFG, c, 4)
-    slots = c.num_query_slots or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
+    slots = c.num_query_rows or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
     pages = (c.kv_cache_memory_bytes - (slots + 1) * slot) // page
-    assert (plan.page_bytes, plan.query_slot_bytes) == (page, slot)
-    assert (plan.num_query_slots, plan.num_pages) == (slots, pages)
+    assert (plan.page_bytes, plan.query_row_bytes) == (page, slot)
+    assert (plan.num_query_rows, plan.num_pages) == (slots, pages)
     assert plan.pool_bytes + plan.query_cache_bytes <= c.kv_cache_memory_bytes
     assert plan.max_compressed_concurrency == min(slots, (pages - 1) // 3)
     assert plan.reserved_step_scratch_bytes == 0  # an explicit pool budget reserves nothing
@@ -56,10 +56,10 @@ def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
     assert plan.reserved_step_scratch_bytes > 0 and plan.reserved_compression_scratch_bytes > 0
     page, slot = shapes_bytes(CFG, c, 4)
     assert plan.reserved_swap_bytes == 3 * page + slot
-    assert plan.num_query_slots == min(8, (budget - reserved) // (3 * page + slot))
+    assert plan.num_query_rows == min(8, (budget - reserved) // (3 * page + slot))
     assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
     hybrid, constrained = plan, kv_cache.plan_memory(config(hybrid_admission=False), CFG, jnp.float32, 256)
-    assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_slots
+    assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
 def test_bad_budgets_and_bounds_raise():
@@ -67,22 +67,22 @@ def test_bad_budgets_and_bounds_raise():
         kv_cache.plan_memory(config(max_compression_pages=15), CFG, jnp.float32, 256)  # one request has 16
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         kv_cache.plan_memory(config(kv_cache_memory_bytes=50_000), CFG, jnp.float32, 256)
-    for bad in (dict(num_query_slots=0), dict(num_query_slots=9), dict(hybrid_admission=1),
+    for bad in (dict(num_query_rows=0), dict(num_query_rows=9), dict(hybrid_admission=1),
                 dict(async_compression="yes"), dict(max_compression_pages=0), dict(metrics_interval_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             config(**bad)
 
 
 def test_scratch_estimates_bound_what_xla_allocates():
-    llm = LLM(MODEL, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-              compression=True, kv_budget_blocks=2, compilation_cache_dir=None, max_compression_pages=64)
+    llm = LLM(MODEL, page_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+              compression=True, kv_budget_pages=2, compilation_cache_dir=None, max_compression_pages=64)
     engine, runner = llm.engine, llm.engine.runner
-    assert engine.sizing.num_query_slots == 8 and llm.metrics()["max_concurrency"] == 8
+    assert engine.sizing.num_query_rows == 8 and llm.metrics()["max_concurrency"] == 8
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
     state = jax.tree.map(spec, runner.state)
     for rows, width in ((4, 16), (16, 3)):
         plan = CompressionPlan(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
-                               dst_tables=np.zeros((rows, 2), np.int32), query_slots=np.zeros(rows, np.int32),
+                               dst_tables=np.zeros((rows, 2), np.int32), query_rows=np.zeros(rows, np.int32),
                                logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
                                valid=np.zeros(rows, bool))
         packed, plan_spec = packing.pack(plan)
@@ -105,10 +105,10 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     from zipage_jax.bench import MODEL_SHAPES
 
     qwen = MODEL_SHAPES["qwen3-8b"]
-    cfg = config(block_size=256, kv_budget_blocks=8)
+    cfg = config(page_size=256, kv_budget_pages=8)
     fused = kv_cache.compression_scratch_bytes(qwen, cfg, jnp.bfloat16, 64 * 9, fused=True)
     assert 17.8e6 <= fused < kv_cache.compression_scratch_bytes(qwen, cfg, jnp.bfloat16, 64 * 9) / 10
-    full = config(block_size=256, kv_budget_blocks=8, redundancy="full")
+    full = config(page_size=256, kv_budget_pages=8, redundancy="full")
     assert kv_cache.compression_scratch_bytes(qwen, full, jnp.bfloat16, 64 * 9, fused=True) > fused
     mosaic = resolve_backend("mosaic")
     plans = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, b) for b in (resolve_backend("reference"), mosaic)]

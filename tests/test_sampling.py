@@ -79,7 +79,7 @@ def rows_for(params_list, rng, vocab, prompt_len=5, out_len=4):
     ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("max_tokens", 0), ("n", 0),
     ("seed", 1.5), ("seed", "1"), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]),
     ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("min_tokens", -1), ("logprobs", 5),
-    ("ignore_eos", "yes"), ("kv_budget_blocks", 0), ("skip_special_tokens", 1),
+    ("ignore_eos", "yes"), ("kv_budget_pages", 0), ("skip_special_tokens", 1),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):  # the server reports the leading word as `param`
@@ -98,9 +98,9 @@ def test_unknown_keyword_raises_type_error():
 
 def test_params_normalization():
     p = SamplingParams(stop="###", stop_token_ids=[7, np.int64(9)], top_k=-1, logprobs=True,
-                       temperature=0, kv_budget_blocks=3)
+                       temperature=0, kv_budget_pages=3)
     assert p.stop == ("###",) and p.stop_token_ids == (7, 9) and type(p.stop_token_ids[1]) is int
-    assert p.top_k == 0 and p.logprobs == 0 and p.greedy and p.kv_budget_blocks == 3
+    assert p.top_k == 0 and p.logprobs == 0 and p.greedy and p.kv_budget_pages == 3
     q = SamplingParams(stop=["a", "b"], logprobs=False)
     assert q.stop == ("a", "b") and q.logprobs is None and not q.greedy and q.stop_token_ids == ()
     with pytest.raises(ValueError, match="top_p"):

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
-from fake_device import BLOCK, VOCAB, digest, fake_engine, run
+from fake_device import PAGE, VOCAB, digest, fake_engine, run
 from zipage_jax.request import Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 
@@ -32,7 +32,7 @@ MAX_LEN = 9 + 14 + 12
        aborts=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 30)), max_size=3))
 def test_random_workload_is_lossless_and_bounded(requests, extra_pages, max_num_seqs, budget,
                                                  max_num_prefill_seqs, prefix_caching, aborts):
-    num_pages = -(-MAX_LEN // BLOCK) + 1 + extra_pages  # one full-length request always fits
+    num_pages = -(-MAX_LEN // PAGE) + 1 + extra_pages  # one full-length request always fits
     engine = fake_engine(num_pages, max_num_seqs, budget, max_num_prefill_seqs, prefix_caching)
     reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m), i)
             for i, ((head, tail), m, _) in enumerate(requests)]

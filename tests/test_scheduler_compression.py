@@ -8,24 +8,24 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
-from fake_device import BLOCK, VOCAB, fake_engine, run
+from fake_device import PAGE, VOCAB, fake_engine, run
 from zipage_jax.request import Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 
 
 def compressing_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2,
-                       prefix_caching=True, budget=2, num_query_slots=2, hybrid=True, async_compression=True,
+                       prefix_caching=True, budget=2, num_query_rows=2, hybrid=True, async_compression=True,
                        max_compression_pages=None, compression_batching=(1, 0)):
     return fake_engine(num_pages, max_num_seqs, max_num_batched_tokens, max_num_prefill_seqs, prefix_caching,
-                       compression=True, kv_budget_blocks=budget, num_query_slots=num_query_slots,
+                       compression=True, kv_budget_pages=budget, num_query_rows=num_query_rows,
                        hybrid_admission=hybrid, async_compression=async_compression,
                        max_compression_pages=max_compression_pages, compression_min_batch=compression_batching[0],
                        compression_max_wait_steps=compression_batching[1])
 
 
 def alone(prompt, max_tokens, budget, default_budget=2) -> list[int]:
-    engine = compressing_engine(num_pages=64, max_num_seqs=1, budget=default_budget, num_query_slots=1)
-    r = Request("alone", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_budget_blocks=budget), 0)
+    engine = compressing_engine(num_pages=64, max_num_seqs=1, budget=default_budget, num_query_rows=1)
+    r = Request("alone", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_budget_pages=budget), 0)
     run(engine, [r])
     return r.output_token_ids
 
@@ -37,19 +37,19 @@ request_st = st.tuples(prompt_st, st.integers(1, 40), st.integers(0, 8), st.samp
 
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(request_st, min_size=1, max_size=8), extra_pages=st.integers(0, 3),
-       max_num_seqs=st.integers(1, 5), num_query_slots=st.integers(1, 3), token_budget=st.integers(2, 20),
+       max_num_seqs=st.integers(1, 5), num_query_rows=st.integers(1, 3), token_budget=st.integers(2, 20),
        hybrid=st.booleans(), async_compression=st.booleans(), prefix_caching=st.booleans(),
        max_compression_pages=st.sampled_from([None, 8, 12]),
        aborts=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 60)), max_size=2))
-def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_seqs, num_query_slots, token_budget,
+def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_seqs, num_query_rows, token_budget,
                                                 hybrid, async_compression, prefix_caching, max_compression_pages,
                                                 aborts):
     # the pages one request alone needs at its peak: its first compression point (Scheduler.first_due)
-    peak = max(max(-(-len(head + tail) // BLOCK), (2 if b is None else b) + 1) for (head, tail), _, _, b in requests)
+    peak = max(max(-(-len(head + tail) // PAGE), (2 if b is None else b) + 1) for (head, tail), _, _, b in requests)
     num_pages = peak + 1 + extra_pages
     engine = compressing_engine(num_pages, max_num_seqs, token_budget, 2, prefix_caching, 2,
-                                min(num_query_slots, max_num_seqs), hybrid, async_compression, max_compression_pages)
-    reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_blocks=b), i)
+                                min(num_query_rows, max_num_seqs), hybrid, async_compression, max_compression_pages)
+    reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=b), i)
             for i, ((head, tail), m, _, b) in enumerate(requests)]
     arrivals = {r.request_id: a for r, (_, _, a, _) in zip(reqs, requests)}
     abort_at = {}
@@ -58,7 +58,7 @@ def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_s
     aborted = {r.request_id for rs in abort_at.values() for r in rs}
     run(engine, reqs, arrivals, abort_at)
     for r in reqs:
-        want = alone(r.prompt_token_ids, r.sampling_params.max_tokens, r.sampling_params.kv_budget_blocks)
+        want = alone(r.prompt_token_ids, r.sampling_params.max_tokens, r.sampling_params.kv_budget_pages)
         if r.status == RequestStatus.FINISHED_ABORTED:
             assert r.request_id in aborted and r.output_token_ids == want[:len(r.output_token_ids)]
         else:
@@ -71,16 +71,16 @@ def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_s
        token_budget=st.integers(2, 20), async_compression=st.booleans(), prefix_caching=st.booleans())
 def test_random_swap_prone_workload_is_lossless(prompts, max_tokens, extra_pages, token_budget, async_compression,
                                                 prefix_caching):
-    """The shape that swaps: the front request has the largest budget and no slot yet when it needs a page,
-    the requests behind it took the slots first and are compressed."""
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_blocks=3 if i == 0 else 1), i)
+    """The shape that swaps: the front request has the largest budget and no query row yet when it needs a page,
+    the requests behind it took the query rows first and are compressed."""
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=3 if i == 0 else 1), i)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     engine = compressing_engine(5 + extra_pages, len(reqs), token_budget, 2, prefix_caching, 1, len(reqs) - 1, True,
                                 async_compression)
     run(engine, reqs)
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens,
-                                           r.sampling_params.kv_budget_blocks), r.request_id
+                                           r.sampling_params.kv_budget_pages), r.request_id
 
 
 def long_requests(rng, n, max_tokens=40):
@@ -89,27 +89,27 @@ def long_requests(rng, n, max_tokens=40):
 
 
 def test_memory_pressure_swaps_compressed_requests_losslessly():
-    """Slots go to whoever reaches its window first: the small-budget requests compress early, and when the
+    """Query rows go to whoever reaches its window first: the small-budget requests compress early, and when the
     large-budget front request needs a page, the compressed tail is swapped out (and back in later)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    engine = compressing_engine(num_pages=8, max_num_seqs=3, num_query_slots=2, budget=1)
+    engine = compressing_engine(num_pages=8, max_num_seqs=3, num_query_rows=2, budget=1)
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=2).tolist(),
-                    SamplingParams(temperature=0.0, max_tokens=30, kv_budget_blocks=b), i)
+                    SamplingParams(temperature=0.0, max_tokens=30, kv_budget_pages=b), i)
             for i, b in enumerate([3, 1, 1])]
     run(engine, reqs)
     stats = engine.runner.stats
     assert stats["swaps"] > 0 and stats["compressions"] > 0, seed
     for r in reqs:
         assert r.num_swaps == (r.request_id == "r2"), seed
-        assert r.output_token_ids == alone(r.prompt_token_ids, 30, r.sampling_params.kv_budget_blocks), seed
+        assert r.output_token_ids == alone(r.prompt_token_ids, 30, r.sampling_params.kv_budget_pages), seed
 
 
 def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    hybrid = compressing_engine(num_pages=40, max_num_seqs=4, num_query_slots=1, budget=2)
-    constrained = compressing_engine(num_pages=40, max_num_seqs=4, num_query_slots=1, budget=2, hybrid=False)
+    hybrid = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2)
+    constrained = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2, hybrid=False)
     for engine in (hybrid, constrained):
         reqs = long_requests(rng, 4, max_tokens=24)
         stats = engine.runner.stats
@@ -127,7 +127,7 @@ def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
 def test_compression_batch_is_bounded_by_pages():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    engine = compressing_engine(num_pages=60, max_num_seqs=4, num_query_slots=4, budget=2, max_compression_pages=3)
+    engine = compressing_engine(num_pages=60, max_num_seqs=4, num_query_rows=4, budget=2, max_compression_pages=3)
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=4).tolist(),  # in lockstep: all due together
                     SamplingParams(temperature=0.0, max_tokens=30), i) for i in range(4)]
     run(engine, reqs)
@@ -143,7 +143,7 @@ def test_compression_batches_wait_for_company_at_most_max_wait_steps():
     prompts = [np.random.default_rng(seed + i).integers(0, VOCAB, size=1 + 2 * i).tolist() for i in range(4)]
     dispatches = {}
     for batching in ((1, 0), (4, 3)):
-        engine = compressing_engine(num_pages=60, max_num_seqs=4, num_query_slots=4, budget=2,
+        engine = compressing_engine(num_pages=60, max_num_seqs=4, num_query_rows=4, budget=2,
                                     compression_batching=batching)
         reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40), i) for i, p in enumerate(prompts)]
         streak, longest = {}, [0]
@@ -170,7 +170,7 @@ def test_async_and_sync_compression_produce_the_same_tokens():
     prompts = [rng.integers(0, VOCAB, size=int(rng.integers(2, 12))).tolist() for _ in range(5)]
     outs = []
     for async_compression in (True, False):
-        engine = compressing_engine(num_pages=20, max_num_seqs=5, num_query_slots=3,
+        engine = compressing_engine(num_pages=20, max_num_seqs=5, num_query_rows=3,
                                     async_compression=async_compression)
         reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=36), i) for i, p in enumerate(prompts)]
         run(engine, reqs)

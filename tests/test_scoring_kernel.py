@@ -27,31 +27,10 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine import LLMEngine
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
+from helpers import random_problem
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
-
-
-def shuffled_page_tables(rng, needed, pages_per_row, num_pages):
-    """``[B, pages_per_row]`` tables giving row b ``needed[b]`` distinct shuffled pages of 1..num_pages-1 (the
-    rest: null page 0)."""
-    ids = rng.permutation(np.arange(1, num_pages))
-    tables = np.zeros((len(needed), pages_per_row), np.int32)
-    start = 0
-    for row, n in enumerate(needed):
-        tables[row, :n] = ids[start:start + n]
-        start += n
-    return jnp.asarray(tables)
-
-
-def random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim, num_kv_heads=2, layers=2):
-    """A bf16 pool with the requests' live slots on distinct shuffled pages (unused entries: null page 0)."""
-    needed = [-(-n // page_size) for n in num_live]
-    num_pages = sum(needed) + 3
-    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages, num_kv_heads, page_size, head_dim)), jnp.bfloat16)
-    tables = shuffled_page_tables(rng, needed, pages_per_row, num_pages)
-    queries = rng.standard_normal((len(num_live), window, num_kv_heads * group, head_dim))
-    return k_pool, tables, jnp.asarray(num_live, jnp.int32), jnp.asarray(queries, jnp.bfloat16)
 
 
 SCORE_CASES = [
@@ -101,7 +80,7 @@ def test_compress_with_the_kernel_equals_jnp():
     score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
     query_cache = jnp.asarray(rng.standard_normal((layers, 5, window, hkv * group, dim)), jnp.bfloat16)
     plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
-                           dst_tables=tables[:, :budget], query_slots=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                           dst_tables=tables[:, :budget], query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
                            logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
                            compressed_before=jnp.asarray([True, False, True, False]),
                            valid=jnp.asarray(num_src > 0))
@@ -145,10 +124,10 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
 
     def generate(backend_name):
-        config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", block_size=16, max_model_len=128,
-                              max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=24,
+        config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", page_size=16, max_model_len=128,
+                              max_num_seqs=2, max_num_batched_tokens=64, num_gpu_pages_override=24,
                               attention_backend=backend_name, enable_prefix_caching=False,
-                              compilation_cache_dir=None, compression=True, kv_budget_blocks=2, window=8,
+                              compilation_cache_dir=None, compression=True, kv_budget_pages=2, window=8,
                               sink_tokens=1)
         engine = LLMEngine(config, model_cfg, params)
         requests = [Request(f"r{i}", p, sampling, i, seed=i) for i, p in enumerate(prompts)]

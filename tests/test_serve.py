@@ -34,8 +34,8 @@ TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 
 def make_engine(**overrides):
     """The engine under test: the real engine on the shipped tiny model (small pages, CPU-sized buckets)."""
-    opts = dict(max_num_seqs=64, block_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
-                max_num_prefill_seqs=8, num_gpu_blocks_override=1024, compilation_cache_dir=None)
+    opts = dict(max_num_seqs=64, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
+                max_num_prefill_seqs=8, num_gpu_pages_override=1024, compilation_cache_dir=None)
     return LLMEngine.from_kwargs(TINY_MODEL, **{**opts, **overrides})
 
 
@@ -161,9 +161,9 @@ def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
     for flag in ["--model", "--host", "--port", "--api-key", "--max-queued-requests", "--shutdown-timeout",
                  *("--" + name.replace("_", "-") for name in fields)]:
         assert flag in text, flag
-    args = build_parser().parse_args(["--block-size", "32", "--no-enable-prefix-caching", "--dtype", "float32",
+    args = build_parser().parse_args(["--page-size", "32", "--no-enable-prefix-caching", "--dtype", "float32",
                                       "--window", "8"])
-    assert engine_kwargs(args, args.engine_fields) == {"block_size": 32, "enable_prefix_caching": False,
+    assert engine_kwargs(args, args.engine_fields) == {"page_size": 32, "enable_prefix_caching": False,
                                                        "dtype": "float32", "window": 8}
     assert args.host == "127.0.0.1" and args.model.endswith("tiny-reasoner")
     out = subprocess.run([sys.executable, "-m", "zipage_jax.serve", "--help"], capture_output=True, text=True,
@@ -283,14 +283,14 @@ def test_logprobs_are_returned_per_token(live, model, reference):
     assert all(item.logprob <= 0 for item in chat.choices[0].logprobs.content)
 
 
-def test_kv_budget_blocks_extension_reaches_the_engine(live, model):
+def test_kv_budget_pages_extension_reaches_the_engine(live, model):
     with pytest.raises(openai.BadRequestError, match="compression off"):  # this server runs full KV
-        live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_blocks": 2})
-    with pytest.raises(openai.BadRequestError, match="kv_budget_blocks"):
-        live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_blocks": 0})
-    with live_server(make_engine(compression=True, kv_budget_blocks=8)) as compressed:
+        live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_pages": 2})
+    with pytest.raises(openai.BadRequestError, match="kv_budget_pages"):
+        live.client().completions.create(model=model, prompt="budget", extra_body={"kv_budget_pages": 0})
+    with live_server(make_engine(compression=True, kv_budget_pages=8)) as compressed:
         got = compressed.client().completions.create(model=model, prompt="budget", max_tokens=60,
-                                                     extra_body={"kv_budget_blocks": 2, "ignore_eos": True})
+                                                     extra_body={"kv_budget_pages": 2, "ignore_eos": True})
         assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 60
 
 
@@ -515,7 +515,7 @@ def test_models_health_metrics_and_openapi(live, model, engine):
     assert metrics['zipage_server_responses_total{endpoint="/v1/models",status="200"}'] >= 1
     schema = httpx.get(f"{live.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
-    assert "kv_budget_blocks" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "kv_budget_pages" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
 
 
 def test_schemathesis_finds_no_server_error(live, model):

@@ -38,15 +38,15 @@ def live_server(engine):
 
 @pytest.fixture(scope="module")
 def url():
-    engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=8, block_size=16, max_model_len=256,
+    engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=8, page_size=16, max_model_len=256,
                                    max_num_batched_tokens=64, max_num_prefill_seqs=4, dtype="float32",
-                                   num_gpu_blocks_override=64, compilation_cache_dir=None, compression=True,
-                                   kv_budget_blocks=2)
+                                   num_gpu_pages_override=64, compilation_cache_dir=None, compression=True,
+                                   kv_budget_pages=2)
     with live_server(engine) as address:
         yield address
 
 
-COMMON = ["--block-size", "16", "--budget-tokens", "16", "--vocab-size", "128", "--max-model-len", "160"]
+COMMON = ["--page-size", "16", "--budget-tokens", "16", "--vocab-size", "128", "--max-model-len", "160"]
 
 
 def test_rates_report_latency_percentiles_and_goodput(url, tmp_path):

@@ -47,14 +47,14 @@ def test_sweep_shares_engines_and_matches_an_engine_wide_budget(tmp_path, monkey
         return original(*args, **kwargs)
 
     monkeypatch.setattr(zipage_jax.engine, "LLM", counting)
-    engine = ["--block-size", "16", "--max-num-seqs", "16", "--max-model-len", "192", "--compilation-cache-dir", "none"]
+    engine = ["--page-size", "16", "--max-num-seqs", "16", "--max-model-len", "192", "--compilation-cache-dir", "none"]
     argv = ["--model", MODEL, "--data", DATA[0], "--data", DATA[1], "--budgets", "3,2", "--max-tokens", "96",
             "--config", "full-kv:compression=false", "--config", "a:global_score=false",
             "--config", "b:global-score=false", "--config", "window:eviction_policy=window",
             "--output", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "sweep.png"), *engine]
     report = main(argv)
     assert len(built) == 3  # a and b share one engine
-    assert all(k["kv_budget_blocks"] == 3 for k in built if k["compression"])
+    assert all(k["kv_budget_pages"] == 3 for k in built if k["compression"])
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["results"] == report["results"] and saved["budgets"] == [2, 3]
     assert (tmp_path / "sweep.png").stat().st_size > 1000
@@ -67,8 +67,8 @@ def test_sweep_shares_engines_and_matches_an_engine_wide_budget(tmp_path, monkey
     out = capsys.readouterr().out
     assert "| a |" in out and "| window |" in out and DATA[1] in out
     # the per-request budget of the sweep is the engine-wide budget of a plain evaluation
-    llm = original(MODEL, block_size=16, max_num_seqs=16, max_model_len=192, compilation_cache_dir=None,
-                   compression=True, kv_budget_blocks=2, global_score=False)
+    llm = original(MODEL, page_size=16, max_num_seqs=16, max_model_len=192, compilation_cache_dir=None,
+                   compression=True, kv_budget_pages=2, global_score=False)
     plain = evaluate(llm, load_items(DATA[1]), use_tqdm=False, max_tokens=96)
     cell = rows[("a", DATA[1], 2)]
     assert cell["accuracy"] == plain["accuracy"]

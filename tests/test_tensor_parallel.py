@@ -15,8 +15,8 @@ def test_two_way_tensor_parallel_matches_single_device(compression):
     rng = seeded_rng()
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 30, size=3)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    opts = dict(block_size=16, max_num_seqs=4, max_model_len=128, compilation_cache_dir=None,
-                compression=compression, kv_budget_blocks=2)
+    opts = dict(page_size=16, max_num_seqs=4, max_model_len=128, compilation_cache_dir=None,
+                compression=compression, kv_budget_pages=2)
     single = LLM(MODEL, **opts).generate(prompts, params, use_tqdm=False)
     sharded_llm = LLM(MODEL, tensor_parallel_size=2, **opts)
     assert len(sharded_llm.engine.runner.state.k_pool.sharding.device_set) == 2

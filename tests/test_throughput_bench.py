@@ -76,7 +76,7 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
     """The peer runs in a subprocess: without torch or a GPU (as here) it fails, and the report says why."""
     import argparse
 
-    args = argparse.Namespace(model=None, model_shape="tiny", seed=0, block_size=16, max_num_seqs=4, peer_requests=2,
+    args = argparse.Namespace(model=None, model_shape="tiny", seed=0, page_size=16, max_num_seqs=4, peer_requests=2,
                               peer_duration=1.0, peer_timeout=120.0)
     w = throughput_bench.make_workload("reasoning", 4, 32, 16, 256, 256)
     result = throughput_bench.run_peer(args, w, None, str(tmp_path))

@@ -175,7 +175,7 @@ def drain(engine: LLMEngine):
 
 
 def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, attention_backend: str = "reference",
-                     block_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
+                     page_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
                      prefill_seqs: int = 8, warmup_steps: int = 3, seed: int = 0, inspect_hlo: bool = True,
                      profile: bool = False, progress=print, on_result=None):
     """Run the decode benchmark; returns (report dict, the engine with its requests).
@@ -193,19 +193,19 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     model_cfg = MODEL_SHAPES[model_shape]
     max_batch = max(batches)
     max_model_len = ctx + 1 + warmup_steps + steps
-    pages_per_seq = -(-max_model_len // block_size)
+    pages_per_seq = -(-max_model_len // page_size)
     num_pages = max_batch * pages_per_seq + 1
-    config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, block_size=block_size,
+    config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, page_size=page_size,
                           max_model_len=max_model_len, max_num_seqs=max_batch,
                           max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
-                          num_gpu_blocks_override=num_pages, attention_backend=attention_backend, seed=seed,
+                          num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
                           enable_prefix_caching=False, compilation_cache_dir=None)
     t = time.perf_counter()
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
     jax.block_until_ready(params)
     engine = LLMEngine(config, model_cfg, params)
     del params  # the engine holds the serving layout
-    progress(f"random params + KV pool ({num_pages} pages of {block_size}): {time.perf_counter() - t:.1f}s")
+    progress(f"random params + KV pool ({num_pages} pages of {page_size}): {time.perf_counter() - t:.1f}s")
     recorder = _Recorder(engine.runner)
 
     rng = np.random.default_rng(seed)
@@ -233,7 +233,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             benchmark="decode", model_shape=model_shape, device=str(jax.devices()[0]),
             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, block_size=block_size, dtype=dtype,
+            config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, page_size=page_size, dtype=dtype,
                         attention_backend=attention_backend, num_pages=num_pages, max_model_len=max_model_len,
                         prefill_tokens=prefill_tokens, prefill_seqs=prefill_seqs,
                         num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
@@ -281,7 +281,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             idle_gap_ms=max(0.0, engine_step_s - device_step_s) * 1e3,
             tokens_per_s=batch / engine_step_s, device_tokens_per_s=batch / device_step_s,
             weight_bytes=weight_bytes, kv_bytes=kv_bytes,
-            kv_bytes_gathered_by_reference=batch * pages_per_seq * block_size * per_token_kv,
+            kv_bytes_gathered_by_reference=batch * pages_per_seq * page_size * per_token_kv,
             roofline_fraction=step_bytes / engine_step_s / HBM_PEAK_BYTES_PER_S,
             device_roofline_fraction=step_bytes / device_step_s / HBM_PEAK_BYTES_PER_S,
             first_step_s_incl_compile=compile_s, profile=breakdown)
@@ -292,7 +292,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     engine.scheduler.running = list(requests)
     if inspect_hlo:  # last, so a slow recompile never costs the measurements
         t = time.perf_counter()
-        shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
+        shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
         text = engine.runner.programs.compiled(hlo_program.key).as_text()
         hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype))
         hlo["inspect_s"] = time.perf_counter() - t
@@ -303,8 +303,8 @@ SCHEDULING_VARIANTS = (("async", "hybrid"), ("sync", "hybrid"), ("async", "const
 
 
 def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, output_len: int,
-                         kv_budget_blocks: int = 8, block_size: int = 256, num_pages: int | None = None,
-                         num_query_slots: int | None = None, max_num_seqs: int = 256,
+                         kv_budget_pages: int = 8, page_size: int = 256, num_pages: int | None = None,
+                         num_query_rows: int | None = None, max_num_seqs: int = 256,
                          attention_backend: str = "reference", dtype: str = "bfloat16", prefill_tokens: int = 8192,
                          prefill_seqs: int = 8, metrics_interval_steps: int = 16, seed: int = 0,
                          variants=SCHEDULING_VARIANTS, warmup: bool = True,
@@ -332,17 +332,17 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
                   device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   config=dict(num_requests=num_requests, prompt_len=prompt_len, output_len=output_len,
-                              kv_budget_blocks=kv_budget_blocks, block_size=block_size, num_pages=num_pages,
-                              num_query_slots=num_query_slots, max_num_seqs=max_num_seqs, dtype=dtype,
+                              kv_budget_pages=kv_budget_pages, page_size=page_size, num_pages=num_pages,
+                              num_query_rows=num_query_rows, max_num_seqs=max_num_seqs, dtype=dtype,
                               attention_backend=attention_backend),
                   results=[])
     for mode, admission in variants:
-        config = EngineConfig.from_kwargs(f"random:{model_shape}", dtype=dtype, block_size=block_size,
+        config = EngineConfig.from_kwargs(f"random:{model_shape}", dtype=dtype, page_size=page_size,
                               max_model_len=prompt_len + output_len, max_num_seqs=min(max_num_seqs, num_requests),
                               max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
-                              num_gpu_blocks_override=num_pages, attention_backend=attention_backend, seed=seed,
+                              num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
                               enable_prefix_caching=False, compilation_cache_dir=None, compression=True,
-                              kv_budget_blocks=kv_budget_blocks, num_query_slots=num_query_slots,
+                              kv_budget_pages=kv_budget_pages, num_query_rows=num_query_rows,
                               async_compression=mode == "async", hybrid_admission=admission == "hybrid",
                               metrics_interval_steps=metrics_interval_steps)
         engine = LLMEngine(config, model_cfg, params)
@@ -476,7 +476,7 @@ def main(argv=None):
     decode.add_argument("--steps", type=int, default=64, help="measured decode steps per batch size")
     decode.add_argument("--warmup-steps", type=int, default=3)
     decode.add_argument("--attention-backend", default="reference")
-    decode.add_argument("--block-size", type=int, default=256)
+    decode.add_argument("--page-size", type=int, default=256)
     decode.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     decode.add_argument("--prefill-tokens", type=int, default=8192, help="token budget of a prefill step")
     decode.add_argument("--prefill-seqs", type=int, default=8, help="requests per prefill step")
@@ -491,10 +491,10 @@ def main(argv=None):
     sched.add_argument("--requests", type=int, default=256)
     sched.add_argument("--prompt-len", type=int, default=512)
     sched.add_argument("--output-len", type=int, default=4096)
-    sched.add_argument("--kv-budget-blocks", type=int, default=8)
-    sched.add_argument("--block-size", type=int, default=256)
+    sched.add_argument("--kv-budget-pages", type=int, default=8)
+    sched.add_argument("--page-size", type=int, default=256)
     sched.add_argument("--num-pages", type=int, help="pool size in pages (default: sized from device memory)")
-    sched.add_argument("--num-query-slots", type=int, help="C (default: sized from memory)")
+    sched.add_argument("--num-query-rows", type=int, help="C (default: sized from memory)")
     sched.add_argument("--max-num-seqs", type=int, default=256)
     sched.add_argument("--attention-backend", default="reference")
     sched.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -544,7 +544,7 @@ def main(argv=None):
                 json.dump(report, f, indent=2)
 
     report, engine = decode_benchmark(
-        args.model_shape, args.batch, args.ctx, args.steps, args.attention_backend, args.block_size, args.dtype,
+        args.model_shape, args.batch, args.ctx, args.steps, args.attention_backend, args.page_size, args.dtype,
         args.prefill_tokens, args.prefill_seqs, args.warmup_steps, args.seed, not args.no_hlo, args.profile,
         progress=lambda line: print(line, flush=True), on_result=write)
     print(HEADER)
@@ -565,7 +565,7 @@ def _scheduling_main(args):
     if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ("hybrid", "constrained") for v in variants):
         raise ValueError(f"variants: expected MODE-ADMISSION (async|sync)-(hybrid|constrained), got {args.variants}")
     print(f"scheduling benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, {args.requests} requests "
-          f"x ({args.prompt_len} + {args.output_len}) tokens, budget {args.kv_budget_blocks} pages")
+          f"x ({args.prompt_len} + {args.output_len}) tokens, budget {args.kv_budget_pages} pages")
 
     def write(report):
         if args.json:
@@ -573,8 +573,8 @@ def _scheduling_main(args):
                 json.dump(report, f, indent=1)
 
     report = scheduling_benchmark(
-        args.model_shape, args.requests, args.prompt_len, args.output_len, args.kv_budget_blocks, args.block_size,
-        args.num_pages, args.num_query_slots, args.max_num_seqs, args.attention_backend, args.dtype,
+        args.model_shape, args.requests, args.prompt_len, args.output_len, args.kv_budget_pages, args.page_size,
+        args.num_pages, args.num_query_rows, args.max_num_seqs, args.attention_backend, args.dtype,
         args.prefill_tokens, args.prefill_seqs, args.metrics_interval_steps, args.seed, variants, not args.no_warmup,
         args.compilation_cache_dir,
         progress=lambda line: print(line, flush=True), on_result=write)

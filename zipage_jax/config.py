@@ -22,7 +22,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
-    block_size: int = 256
+    page_size: int = 256
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -30,17 +30,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
+    num_gpu_pages_override: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = os.path.join("~", ".cache", "zipage_jax", "xla")
     # Compressed PagedAttention (off = full-KV mode, the vLLM-like baseline)
     compression: bool = False
-    kv_budget_blocks: int = 8
+    kv_budget_pages: int = 8
     scoring: ScoringConfig = ScoringConfig()  # eviction policy and its knobs; kwargs and flags name them flat
     # Scheduling of compressed requests (docs/ARCHITECTURE.md, Compression: concurrency)
-    num_query_slots: int | None = None  # C; None = as many as the memory sizing allows
+    num_query_rows: int | None = None  # C; None = as many as the memory sizing allows
     hybrid_admission: bool = True
     async_compression: bool = True
     max_compression_pages: int | None = None  # None = derived at start-up (see kv_cache.plan_memory)
@@ -59,8 +59,8 @@ class EngineConfig:
 
         check(isinstance(self.model, str) and self.model, "model", "must be a non-empty path or name")
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-        check(is_int(self.block_size) and 16 <= self.block_size <= 256
-              and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two in [16, 256]")
+        check(is_int(self.page_size) and 16 <= self.page_size <= 256
+              and self.page_size & (self.page_size - 1) == 0, "page_size", "must be a power of two in [16, 256]")
         check(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 1),
               "max_model_len", "must be a positive int or None")
         check(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "must be a positive int")
@@ -74,22 +74,22 @@ class EngineConfig:
         check(self.kv_cache_memory_bytes is None or (is_int(self.kv_cache_memory_bytes)
                                                      and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", "must be a positive int or None")
-        check(self.num_gpu_blocks_override is None or (is_int(self.num_gpu_blocks_override)
-                                                       and self.num_gpu_blocks_override >= 2),
-              "num_gpu_blocks_override", "must be an int >= 2 (page 0 is reserved) or None")
+        check(self.num_gpu_pages_override is None or (is_int(self.num_gpu_pages_override)
+                                                      and self.num_gpu_pages_override >= 2),
+              "num_gpu_pages_override", "must be an int >= 2 (page 0 is reserved) or None")
         check(is_int(self.seed), "seed", "must be an int")
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "must be a positive int")
         check(isinstance(self.attention_backend, str), "attention_backend", "must be a string")
         check(isinstance(self.compression, bool), "compression", "must be a bool")
-        check(is_int(self.kv_budget_blocks) and self.kv_budget_blocks >= 1, "kv_budget_blocks", "must be an int >= 1")
+        check(is_int(self.kv_budget_pages) and self.kv_budget_pages >= 1, "kv_budget_pages", "must be an int >= 1")
         check(isinstance(self.scoring, ScoringConfig), "scoring", "must be a ScoringConfig")
         sc = self.scoring
         check(sc.eviction_policy in EVICTION_POLICIES, "eviction_policy", f"must be one of {EVICTION_POLICIES}")
-        check(is_int(sc.window) and 1 <= sc.window <= self.block_size, "window", "must be an int in [1, block_size]")
+        check(is_int(sc.window) and 1 <= sc.window <= self.page_size, "window", "must be an int in [1, page_size]")
         check(is_int(sc.sink_tokens) and sc.sink_tokens >= 0, "sink_tokens", "must be an int >= 0")
-        check(sc.sink_tokens + sc.window <= self.kv_budget_blocks * self.block_size, "sink_tokens",
-              "sink_tokens + window must fit in kv_budget_blocks * block_size")
+        check(sc.sink_tokens + sc.window <= self.kv_budget_pages * self.page_size, "sink_tokens",
+              "sink_tokens + window must fit in kv_budget_pages * page_size")
         for name in ("global_score", "pooling", "pooling_first_only"):
             check(isinstance(getattr(sc, name), bool), name, "must be a bool")
         check(isinstance(sc.decay, (int, float)) and 0 <= sc.decay <= 1, "decay", "must be in [0, 1]")
@@ -103,9 +103,9 @@ class EngineConfig:
         check(isinstance(sc.redundancy_temperature, (int, float)) and sc.redundancy_temperature > 0,
               "redundancy_temperature", "must be > 0")
 
-        check(self.num_query_slots is None or (is_int(self.num_query_slots)
-                                               and 1 <= self.num_query_slots <= self.max_num_seqs),
-              "num_query_slots", "must be None or an int in [1, max_num_seqs]")
+        check(self.num_query_rows is None or (is_int(self.num_query_rows)
+                                              and 1 <= self.num_query_rows <= self.max_num_seqs),
+              "num_query_rows", "must be None or an int in [1, max_num_seqs]")
         for name in ("hybrid_admission", "async_compression"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
         check(self.max_compression_pages is None or (is_int(self.max_compression_pages)
@@ -156,7 +156,7 @@ DESCRIPTIONS = {
     "model": "HF checkpoint directory (config.json, safetensors, tokenizer)",
     "tokenizer": "tokenizer path; None = the model's",
     "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16`, `float32`",
-    "block_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
+    "page_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
     "max_model_len": "longest prompt + output in tokens; None = the model's context",
     "max_num_seqs": "most running requests (decode batch sizes are compiled up to it)",
     "max_num_batched_tokens": "token budget of one step (chunked prefill; prefill sizes are compiled up to it)",
@@ -164,7 +164,7 @@ DESCRIPTIONS = {
     "enable_prefix_caching": "share full prompt pages by a hash chain",
     "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
     "kv_cache_memory_bytes": "KV pool size in bytes instead",
-    "num_gpu_blocks_override": "KV pool size in pages instead",
+    "num_gpu_pages_override": "KV pool size in pages instead",
     "seed": "engine seed: seeds of requests that bring none",
     "tensor_parallel_size": "devices to shard heads and MLP over",
     "attention_backend": "`auto` (Mosaic GPU on Hopper, Triton through jax-triton on compute capability 8.x, "
@@ -173,7 +173,7 @@ DESCRIPTIONS = {
     "compilation_cache_dir": "persistent XLA compilation cache of every program; None = leave jax's own setting "
                              "(off by default)",
     "compression": "Compressed PagedAttention on/off (off = full-KV mode)",
-    "kv_budget_blocks": "budget `M`: a request holds at most `M+1` pages after its first compression",
+    "kv_budget_pages": "budget `M`: a request holds at most `M+1` pages after its first compression",
     "eviction_policy": "`zipage` (attention scores) or `window` (sinks + most recent tokens)",
     "window": "`W` recent queries that score; the last `W` slots are never evicted",
     "sink_tokens": "first tokens never evicted",
@@ -186,10 +186,10 @@ DESCRIPTIONS = {
     "redundancy_weight": "`1 - lambda` in `S = lambda * P - (1 - lambda) * R`",
     "similarity_threshold": "cosine similarity above which keys count as duplicates",
     "redundancy_temperature": "softmax temperature of the redundancy penalty",
-    "num_query_slots": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
+    "num_query_rows": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
                        "holder fits `M+1` pages",
-    "hybrid_admission": "requests without a query slot run until the window of their first compression, then "
-                        "stall until a slot frees; False = only slot holders run",
+    "hybrid_admission": "requests without a query row run until the window of their first compression, then "
+                        "stall until a query row frees; False = only query-row holders run",
     "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "
                          "next step); False = first, the host waits",
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "

@@ -16,16 +16,16 @@ from zipage_jax import kv_cache, sharding
 class DeviceState:
     k_pool: jax.Array  # [L, num_pages, Hkv, S, D]
     v_pool: jax.Array
-    query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-slot holders (a ring)
+    query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-row holders (a ring)
     score_cache: jax.Array  # [L, num_pages, Hkv, S] f32: score history of every slot
     token_buffer: jax.Array  # [max_num_seqs + 1] int32: each running request's last sampled token
 
 
-def allocate(config, model_cfg, num_pages: int, num_query_slots: int, dtype, mesh) -> DeviceState:
+def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
     """The zeroed state, committed to its shardings (pools and caches over heads, the token buffer replicated)."""
-    k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.block_size, dtype,
+    k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.page_size, dtype,
                                             sharding.kv_head_sharding(mesh))
-    query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_slots,
+    query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_rows,
                                                                    dtype, mesh)
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), sharding.replicated(mesh))
     return DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)

@@ -21,7 +21,7 @@ from tqdm import tqdm  # the text bar: tqdm.auto warns in notebooks without ipyw
 
 from zipage_jax import kv_cache, sharding, weights
 from zipage_jax.attention import resolve_backend, sharded
-from zipage_jax.block_manager import BlockManager
+from zipage_jax.page_manager import PageManager
 from zipage_jax.compile_counter import CompileCounter
 from zipage_jax.config import EngineConfig
 from zipage_jax.detokenizer import IncrementalDetokenizer
@@ -84,8 +84,8 @@ class LLMEngine:
             runner, scheduler = self._build_device_side(params)
         self.runner = runner
         self.scheduler = scheduler
-        self.block_manager = scheduler.block_manager
-        self.num_pages = self.block_manager.num_pages
+        self.page_manager = scheduler.page_manager
+        self.num_pages = self.page_manager.num_pages
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -112,14 +112,14 @@ class LLMEngine:
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile)
-        block_manager = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query slots, max concurrency %d (%d compressed, "
+        page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query rows, max concurrency %d (%d compressed, "
                  "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
-                 "scratch (%d pages per batch) from a %s budget", num_pages, config.block_size,
-                 z.pool_bytes / 2**20, z.num_query_slots, z.max_concurrency, z.max_compressed_concurrency,
+                 "scratch (%d pages per batch) from a %s budget", num_pages, config.page_size,
+                 z.pool_bytes / 2**20, z.num_query_rows, z.max_concurrency, z.max_compressed_concurrency,
                  z.full_length_concurrency, self.max_model_len, z.reserved_step_scratch_bytes / 2**20,
                  z.reserved_compression_scratch_bytes / 2**20, z.max_compression_pages, z.budget_source)
-        return runner, Scheduler(block_manager, config, z)
+        return runner, Scheduler(page_manager, config, z)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -162,17 +162,17 @@ class LLMEngine:
 
     def _check_budget(self, params: SamplingParams):
         """A per-request KV budget must be usable: compression on, and room for the protected window and sinks."""
-        budget = params.kv_budget_blocks
+        budget = params.kv_budget_pages
         if budget is None:
             return
         config = self.config
         if not config.compression:
-            raise ValueError("kv_budget_blocks: the engine runs with compression off (start it with compression=True)")
-        if budget * config.block_size < config.scoring.window + config.scoring.sink_tokens:
-            raise ValueError(f"kv_budget_blocks: {budget} pages of {config.block_size} tokens cannot hold the "
+            raise ValueError("kv_budget_pages: the engine runs with compression off (start it with compression=True)")
+        if budget * config.page_size < config.scoring.window + config.scoring.sink_tokens:
+            raise ValueError(f"kv_budget_pages: {budget} pages of {config.page_size} tokens cannot hold the "
                              f"protected window ({config.scoring.window}) and sinks ({config.scoring.sink_tokens})")
         if budget + 1 > self.num_pages - 1:
-            raise ValueError(f"kv_budget_blocks: {budget} + 1 pages exceed the pool of {self.num_pages - 1}")
+            raise ValueError(f"kv_budget_pages: {budget} + 1 pages exceed the pool of {self.num_pages - 1}")
 
     def abort_request(self, request_id: str):
         request = self.requests.get(request_id)
@@ -233,7 +233,7 @@ class LLMEngine:
         num_out = request.resolve_pending(token, logprob)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
-        self.block_manager.register_full_pages(request)
+        self.page_manager.register_full_pages(request)
         params = request.sampling_params
         searched = len(request.output_text)
         if params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
@@ -279,9 +279,9 @@ class LLMEngine:
 
     @staticmethod
     def _request_metrics(request: Request) -> dict:
-        return dict(peak_kv_blocks=request.peak_blocks, num_cached_tokens=request.num_cached_tokens,
+        return dict(peak_kv_pages=request.peak_pages, num_cached_tokens=request.num_cached_tokens,
                     num_preemptions=request.num_preemptions, num_compressions=request.num_compressions,
-                    peak_kv_blocks_after_compression=request.peak_blocks_after_compression,
+                    peak_kv_pages_after_compression=request.peak_pages_after_compression,
                     time_to_first_token=(request.first_token_time - request.arrival_time
                                          if request.first_token_time else None))
 
@@ -290,7 +290,7 @@ class LLMEngine:
         span = (self._rates[-1][0] - self._rates[0][0]) if len(self._rates) > 1 else 0.0
         prefill = sum(r[1] for r in self._rates)
         decode = sum(r[2] for r in self._rates)
-        bm = self.block_manager
+        bm = self.page_manager
         return dict(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preempted=self.scheduler.num_preemptions,
@@ -307,8 +307,8 @@ class LLMEngine:
             num_compiles=self.compile_counter.count,
             num_stalled=self.scheduler.num_stalled, num_swapped=len(self.scheduler.swapped),
             num_swaps=self.scheduler.num_swaps,
-            num_query_slots=self.scheduler.num_query_slots,
-            query_slots_used=self.scheduler.num_query_slots - len(self.scheduler.free_query_slots),
+            num_query_rows=self.scheduler.num_query_rows,
+            query_rows_used=self.scheduler.num_query_rows - len(self.scheduler.free_query_rows),
             max_concurrency=self.sizing.max_concurrency,
         )
 
@@ -365,12 +365,12 @@ class MetricsHistory:
         now = time.perf_counter()
         then, decoded, compressing = self._last
         span = max(now - then, 1e-9)
-        s, bm = engine.scheduler, engine.block_manager
+        s, bm = engine.scheduler, engine.page_manager
         self.samples.append(dict(
             time_s=now - self.start, step=steps, num_running=len(s.running), num_waiting=len(s.waiting),
             num_stalled=s.num_stalled, num_swapped=len(s.swapped), kv_pages_used=bm.num_used_pages,
             page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
-            query_slots_used=s.num_query_slots - len(s.free_query_slots),
+            query_rows_used=s.num_query_rows - len(s.free_query_rows),
             decode_tokens_per_s=(engine.totals["decode_tokens"] - decoded) / span,
             compression_time_share=(engine.runner.compression_seconds - compressing) / span,
             num_preemptions=s.num_preemptions, num_swaps=s.num_swaps, num_compressions=engine.totals["compressions"]))

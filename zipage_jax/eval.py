@@ -141,8 +141,8 @@ def evaluate(llm, items: list[dict], samples: int = 1, seed: int = 0, system_pro
             "reference": reference_answer(item["answer"]), "output": completion.text,
             "extracted": extract_boxed(completion.text), "correct": is_correct(completion.text, item["answer"]),
             "length": len(completion.token_ids), "finish_reason": completion.finish_reason,
-            "peak_pages": out.metrics.get("peak_kv_blocks", 0),
-            "peak_pages_after_compression": out.metrics.get("peak_kv_blocks_after_compression", 0),
+            "peak_pages": out.metrics.get("peak_kv_pages", 0),
+            "peak_pages_after_compression": out.metrics.get("peak_kv_pages_after_compression", 0),
             "compressions": out.metrics.get("num_compressions", 0),
         })
     generated = sum(r["length"] for r in records)
@@ -169,8 +169,8 @@ def evaluate(llm, items: list[dict], samples: int = 1, seed: int = 0, system_pro
 def summary(report: dict) -> str:
     pages, comp = report["peak_pages_per_request"], report["compressions_per_request"]
     cfg = report["engine_config"]
-    mode = (f"compressed ({cfg['eviction_policy']}, budget {cfg['kv_budget_blocks']} pages of {cfg['block_size']})"
-            if cfg["compression"] else f"full KV (pages of {cfg['block_size']})")
+    mode = (f"compressed ({cfg['eviction_policy']}, budget {cfg['kv_budget_pages']} pages of {cfg['page_size']})"
+            if cfg["compression"] else f"full KV (pages of {cfg['page_size']})")
     warmup = report.get("warmup")
     compiled = f" (after compiling {warmup['programs']} programs in {warmup['compile_s']:.1f}s)" if warmup else ""
     return (f"{mode}: accuracy {report['accuracy']:.4f} over {report['num_questions']} questions x "

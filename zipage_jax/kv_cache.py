@@ -14,13 +14,13 @@ from zipage_jax import attention, sharding
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
 
-def page_bytes(model_cfg, block_size: int, dtype, with_score: bool = False) -> int:
+def page_bytes(model_cfg, page_size: int, dtype, with_score: bool = False) -> int:
     """Bytes of one page of K and V across all layers (plus its f32 score-cache entry with the global score)."""
-    slots = model_cfg.num_layers * model_cfg.num_kv_heads * block_size
+    slots = model_cfg.num_layers * model_cfg.num_kv_heads * page_size
     return slots * (2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if with_score else 0))
 
 
-def query_slot_bytes(model_cfg, config, dtype) -> int:
+def query_row_bytes(model_cfg, config, dtype) -> int:
     """One row of the query cache: the last ``W`` post-RoPE queries of one request, all layers and heads."""
     c = model_cfg
     return c.num_layers * config.scoring.window * c.num_heads * c.head_dim * jnp.dtype(dtype).itemsize
@@ -43,7 +43,7 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     stream pages instead.
     """
     it = jnp.dtype(dtype).itemsize
-    c, span = model_cfg, -(-max_model_len // config.block_size) * config.block_size
+    c, span = model_cfg, -(-max_model_len // config.page_size) * config.page_size
     tokens, rows = config.max_num_batched_tokens, config.max_num_prefill_seqs
     width = (4 * c.hidden_size + 3 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * 4
     queries = c.num_layers * tokens * c.num_heads * c.head_dim * it if config.compression else 0
@@ -67,8 +67,8 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
     redundancy, which stays jnp.
     """
     it = jnp.dtype(dtype).itemsize
-    c, slots = model_cfg, pages * config.block_size
-    keys_and_similarities = c.head_dim * it + config.block_size * 4
+    c, slots = model_cfg, pages * config.page_size
+    keys_and_similarities = c.head_dim * it + config.page_size * 4
     if fused:
         per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.scoring.redundancy == "full" else 0))
     else:
@@ -79,12 +79,12 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """What ``plan_memory`` decided: the pool, the query slots and the concurrency they allow, and the bytes
+    """What ``plan_memory`` decided: the pool, the query rows and the concurrency they allow, and the bytes
     behind each (the engine logs them; the server's metrics report them)."""
 
     max_model_len: int
     dtype: jnp.dtype  # of the KV pool and the query cache
-    budget_source: str  # num_gpu_blocks_override, kv_cache_memory_bytes, device or cpu_default
+    budget_source: str  # num_gpu_pages_override, kv_cache_memory_bytes, device or cpu_default
     budget_bytes: int | None
     reserved_step_scratch_bytes: int
     reserved_compression_scratch_bytes: int
@@ -94,8 +94,8 @@ class MemoryPlan:
     page_bytes: int
     num_pages: int
     pool_bytes: int
-    query_slot_bytes: int
-    num_query_slots: int  # C (0 with compression off): the one place this is decided
+    query_row_bytes: int
+    num_query_rows: int  # C (0 with compression off): the one place this is decided
     query_cache_bytes: int
     max_compression_pages: int  # 0 with compression off
     pages_per_seq: int
@@ -110,18 +110,18 @@ class MemoryPlan:
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int,
                 backend: attention.AttentionBackend = attention.REFERENCE) -> MemoryPlan:
-    """Pool size, query slots ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression:
+    """Pool size, query rows ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression:
     concurrency).
 
     With the budget taken from the device, the peak scratch of the largest step and of the largest compression
     batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.
-    ``C = available / (page_bytes * (M + 1) + query_slot_bytes)``: every slot holder can reach its steady state
-    of ``M + 1`` pages; requests without a slot (hybrid admission) live on the remaining pages.
+    ``C = available / (page_bytes * (M + 1) + query_row_bytes)``: every query-row holder can reach its steady state
+    of ``M + 1`` pages; requests without a query row (hybrid admission) live on the remaining pages.
     """
-    S, M = config.block_size, config.kv_budget_blocks
+    S, M = config.page_size, config.kv_budget_pages
     pages_per_seq = -(-max_model_len // S)
     per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score)
-    slot = query_slot_bytes(model_cfg, config, dtype) if config.compression else 0
+    row_bytes = query_row_bytes(model_cfg, config, dtype) if config.compression else 0
     max_comp = 0
     if config.compression:
         max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, 64) * (M + 1))
@@ -132,9 +132,9 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     comp = 0
     if config.compression:
         comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, backend.fused_compression)
-    swap = (M + 1) * per_page + slot if config.compression else 0
-    reserved, source = 0, "num_gpu_blocks_override"
-    if config.num_gpu_blocks_override is not None:
+    swap = (M + 1) * per_page + row_bytes if config.compression else 0
+    reserved, source = 0, "num_gpu_pages_override"
+    if config.num_gpu_pages_override is not None:
         budget = None
     elif config.kv_cache_memory_bytes is not None:
         budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -146,62 +146,62 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
             reserved = step + comp + swap
     cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
-        num_pages = config.num_gpu_blocks_override
-        slots = config.num_query_slots or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
+        num_pages = config.num_gpu_pages_override
+        rows = config.num_query_rows or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
     else:
         available = budget - reserved
-        slots = 0
+        rows = 0
         if config.compression:
-            slots = config.num_query_slots or min(config.max_num_seqs, max(0, available // ((M + 1) * per_page + slot)))
-        num_pages = min(max(0, available - (slots + 1) * slot) // per_page, cap)
+            rows = config.num_query_rows or min(config.max_num_seqs, max(0, available // ((M + 1) * per_page + row_bytes)))
+        num_pages = min(max(0, available - (rows + 1) * row_bytes) // per_page, cap)
     if not config.compression:
-        slots = 0
-    if num_pages < pages_per_seq + 1 or (config.compression and slots < 1):
+        rows = 0
+    if num_pages < pages_per_seq + 1 or (config.compression and rows < 1):
         raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes ({source}, {reserved} reserved for "
-                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {slots} query slots; one "
-                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a slot "
+                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {rows} query rows; one "
+                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a query row "
                          f"(lower max_model_len or raise the budget)")
-    compressed = min(slots, (num_pages - 1) // (M + 1)) if config.compression else 0
+    compressed = min(rows, (num_pages - 1) // (M + 1)) if config.compression else 0
     if not config.compression:
         concurrency = config.max_num_seqs
     elif config.hybrid_admission:
         concurrency = config.max_num_seqs
     else:
-        concurrency = slots
+        concurrency = rows
     return MemoryPlan(
         max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
         reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
         step_scratch_bytes=step, compression_scratch_bytes=comp,
         page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
-        query_slot_bytes=slot, num_query_slots=int(slots), query_cache_bytes=(slots + 1) * slot if slot else 0,
+        query_row_bytes=row_bytes, num_query_rows=int(rows), query_cache_bytes=(rows + 1) * row_bytes if row_bytes else 0,
         max_compression_pages=int(max_comp), pages_per_seq=pages_per_seq,
         max_concurrency=int(concurrency), max_compressed_concurrency=int(compressed),
         full_length_concurrency=int(min(config.max_num_seqs, (num_pages - 1) // pages_per_seq)))
 
 
-def allocate_pool(model_cfg, num_pages: int, block_size: int, dtype, pool_sharding=None):
+def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_sharding=None):
     """Zeroed K and V pools, created once on the device (optionally sharded over KV heads).
 
     Committed to their sharding, like the step outputs that replace them, so the first step does not compile
     an executable of its own.
     """
     pool_sharding = pool_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
+    shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
     make = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=pool_sharding)
     return make()
 
 
-def allocate_compression_state(model_cfg, config, num_pages: int, num_query_slots: int, dtype, mesh):
+def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
     """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of slot-less rows) and score cache
     ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
     layers = model_cfg.num_layers
     if config.compression:
-        q_shape = (layers, num_query_slots + 1, config.scoring.window, model_cfg.num_heads, model_cfg.head_dim)
+        q_shape = (layers, num_query_rows + 1, config.scoring.window, model_cfg.num_heads, model_cfg.head_dim)
     else:
         q_shape = (1, 1, 1, 1, 1)
     if config.compression and config.scoring.global_score:
-        s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.block_size)
+        s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.page_size)
     else:
         s_shape = (1, 1, 1, 1)
     q_sharding = sharding.query_head_sharding(mesh) if config.compression else sharding.replicated(mesh)

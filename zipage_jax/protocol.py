@@ -68,7 +68,7 @@ class _GenerationRequest(_Closed):
     min_tokens: int | None = Field(None, description="Extension: no stop before this many tokens.")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past end-of-sequence.")
     skip_special_tokens: bool | None = Field(None, description="Extension: drop special tokens from text.")
-    kv_budget_blocks: int | None = Field(
+    kv_budget_pages: int | None = Field(
         None, description="Extension: the most KV pages one choice may hold; older tokens are evicted "
                           "(compressed) to stay within it.")
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
@@ -77,7 +77,7 @@ class _GenerationRequest(_Closed):
         """The SamplingParams fields the client set (everything else keeps the engine default)."""
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                 "skip_special_tokens", "kv_budget_blocks")
+                 "skip_special_tokens", "kv_budget_pages")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @property

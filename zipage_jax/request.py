@@ -38,19 +38,19 @@ class Request:
         self.output_logprobs: list[float] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
-        self.block_ids: list[int] = []
+        self.page_ids: list[int] = []
         self.page_hashes: list[int] = []  # chain hashes of the leading full pages (prefix cache)
         self.status = RequestStatus.WAITING
-        self.token_slot: int | None = None  # row of the device token buffer while running
-        self.query_slot: int | None = None  # row of the query cache; needed before the window of a compression
+        self.token_row: int | None = None  # row of the device token buffer while running
+        self.query_row: int | None = None  # row of the query cache; needed before the window of a compression
         self.swap_pages = 0  # pages held in host memory while swapped out
         self.swap_state = None  # those pages' K/V/scores and the window queries (host arrays)
-        self.peak_blocks = 0
+        self.peak_pages = 0
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_evicted = 0  # tokens dropped by compression: physical length = computed - evicted
         self.num_compressions = 0
-        self.peak_blocks_after_compression = 0
+        self.peak_pages_after_compression = 0
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.first_token_time: float | None = None
@@ -108,14 +108,14 @@ class Request:
         return self.num_evicted > 0
 
     def kv_budget(self, default: int) -> int:
-        budget = self.sampling_params.kv_budget_blocks
+        budget = self.sampling_params.kv_budget_pages
         return default if budget is None else budget
 
     @property
     def reached_max_tokens(self) -> bool:
         return len(self.output_token_ids) >= self.sampling_params.max_tokens
 
-    def note_blocks(self):
-        self.peak_blocks = max(self.peak_blocks, len(self.block_ids))
+    def note_pages(self):
+        self.peak_pages = max(self.peak_pages, len(self.page_ids))
         if self.compressed:
-            self.peak_blocks_after_compression = max(self.peak_blocks_after_compression, len(self.block_ids))
+            self.peak_pages_after_compression = max(self.peak_pages_after_compression, len(self.page_ids))

@@ -42,8 +42,8 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode step: the fused QKV matmul, three times a layer). The pool sizing already reserves every program's
 # scratch, so the pass can only cost time.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-# From this many rows on, cuBLAS beats XLA's Triton GEMMs on the H200 (decode step, Qwen3-8B shapes: 7.50 vs
-# 7.95 ms at 64 rows, 17.9 vs 18.2 at 256; Triton wins at 1 row, 5.2 vs 6.4 ms; BENCHMARKS.md).
+# From this many rows on, cuBLAS beats XLA's Triton GEMMs in the decode step; below it Triton wins (measured on
+# the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
 CUBLAS_MIN_ROWS = 64
 
 
@@ -100,20 +100,20 @@ def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store
     inputs = packing.unpack(packed, spec)
     batch, sampling = inputs["batch"], inputs["sampling"]
     k_pool, v_pool, query_cache, token_buffer = state.k_pool, state.v_pool, state.query_cache, state.token_buffer
-    in_flight = token_buffer[inputs["buffer_slot"]]
+    in_flight = token_buffer[inputs["buffer_row"]]
     batch = batch.replace(tokens=jnp.where(inputs["from_buffer"], in_flight, batch.tokens))
     if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
         logits, k_pool, v_pool, queries = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend,
                                                         return_queries=True)
         ring = batch.positions % query_cache.shape[2]
-        query_cache = query_cache.at[:, inputs["query_slot"], ring].set(queries.astype(query_cache.dtype))
+        query_cache = query_cache.at[:, inputs["query_row"], ring].set(queries.astype(query_cache.dtype))
     else:
         logits, k_pool, v_pool = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend)
     # penalties must see the token each row is being fed even when the host does not know it yet
     pending = sampling.history_is_output & (sampling.history == PENDING)
-    history = jnp.where(pending, token_buffer[inputs["sample_slot"]][:, None], sampling.history)
+    history = jnp.where(pending, token_buffer[inputs["sample_row"]][:, None], sampling.history)
     tokens, logprobs = sample(logits, sampling.replace(history=history))
-    token_buffer = token_buffer.at[inputs["sample_slot"]].set(tokens)
+    token_buffer = token_buffer.at[inputs["sample_row"]].set(tokens)
     state = state.replace(k_pool=k_pool, v_pool=v_pool, query_cache=query_cache, token_buffer=token_buffer)
     return state, tokens, logprobs
 
@@ -124,15 +124,15 @@ def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend):
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 
-def _swap_gather(state: DeviceState, pages, query_slot, *, history):
+def _swap_gather(state: DeviceState, pages, query_row, *, history):
     scores = state.score_cache[:, pages] if history else jnp.zeros((), jnp.float32)
-    return state.k_pool[:, pages], state.v_pool[:, pages], scores, state.query_cache[:, query_slot]
+    return state.k_pool[:, pages], state.v_pool[:, pages], scores, state.query_cache[:, query_row]
 
 
-def _swap_scatter(state: DeviceState, pages, query_slot, k, v, scores, queries, *, history):
+def _swap_scatter(state: DeviceState, pages, query_row, k, v, scores, queries, *, history):
     score_cache = state.score_cache.at[:, pages].set(scores) if history else state.score_cache
     return state.replace(k_pool=state.k_pool.at[:, pages].set(k), v_pool=state.v_pool.at[:, pages].set(v),
-                         score_cache=score_cache, query_cache=state.query_cache.at[:, query_slot].set(queries))
+                         score_cache=score_cache, query_cache=state.query_cache.at[:, query_row].set(queries))
 
 
 class ModelRunner:
@@ -142,18 +142,18 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.params = params
         self.backend = backend
-        self.page_size = config.block_size
+        self.page_size = config.page_size
         self.num_pages = num_pages = plan.num_pages
         self.pages_per_seq = plan.pages_per_seq
         self.eos_token_ids = tuple(eos_token_ids)
-        self.sink_slot = config.max_num_seqs  # rows that sample nothing write here
+        self.sink_row = config.max_num_seqs  # rows that sample nothing write here
         self.compression = config.compression
         self.async_compression = config.async_compression
         self.window = config.scoring.window
-        self.num_query_slots = plan.num_query_slots
-        self.query_sink = self.num_query_slots  # rows of requests without a query slot store their queries here
+        self.num_query_rows = plan.num_query_rows
+        self.query_sink = self.num_query_rows  # rows of requests without a query row store their queries here
         self.max_compression_pages = plan.max_compression_pages
-        self.state = device_state.allocate(config, model_cfg, num_pages, self.num_query_slots, plan.dtype, mesh)
+        self.state = device_state.allocate(config, model_cfg, num_pages, self.num_query_rows, plan.dtype, mesh)
         self.scoring = config.scoring
         self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
@@ -179,10 +179,10 @@ class ModelRunner:
     def _page_table(self, rows: int, requests) -> np.ndarray:
         """``[rows, pages_per_seq]`` page ids of ``requests`` (zeros past each one's pages), filled in one scatter."""
         table = np.zeros((rows, self.pages_per_seq), np.int32)
-        lengths = np.fromiter((len(r.block_ids) for r in requests), np.int64, len(requests))
+        lengths = np.fromiter((len(r.page_ids) for r in requests), np.int64, len(requests))
         total = int(lengths.sum())
         if total:
-            ids = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in requests), np.int32, total)
+            ids = np.fromiter(itertools.chain.from_iterable(r.page_ids for r in requests), np.int32, total)
             row = np.repeat(np.arange(len(requests)), lengths)
             col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             table[row, col] = ids
@@ -226,8 +226,8 @@ class ModelRunner:
         index = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n) - 1  # logical position
         physical = np.fromiter((r.num_physical_tokens for r in requests), np.int32, n) - 1  # its slot's index
         known = np.fromiter((r.token_at(i) for r, i in zip(requests, index.tolist())), np.int32, n)
-        token_slot = np.fromiter((r.token_slot for r in requests), np.int32, n)
-        query = np.fromiter((self.query_sink if r.query_slot is None else r.query_slot for r in requests),
+        token_row = np.fromiter((r.token_row for r in requests), np.int32, n)
+        query = np.fromiter((self.query_sink if r.query_row is None else r.query_row for r in requests),
                             np.int32, n)
         table = self._page_table(rows, requests)
         pending = known == PENDING
@@ -244,8 +244,8 @@ class ModelRunner:
                            logits_indices=np.arange(rows, dtype=np.int32))
         return dict(batch=batch, sampling=self._sampling(rows, requests, force_sampled),
                     from_buffer=padded(pending, False, bool),
-                    buffer_slot=padded(np.where(pending, token_slot, self.sink_slot), self.sink_slot),
-                    sample_slot=padded(token_slot, self.sink_slot), query_slot=padded(query, self.query_sink))
+                    buffer_row=padded(np.where(pending, token_row, self.sink_row), self.sink_row),
+                    sample_row=padded(token_row, self.sink_row), query_row=padded(query, self.query_sink))
 
     def decode(self, requests) -> StepHandle:
         """One token per request: the one at index ``num_computed_tokens - 1`` (already counted by the scheduler)."""
@@ -258,8 +258,8 @@ class ModelRunner:
         tokens, positions, slots = (np.zeros(num_tokens, np.int32) for _ in range(3))
         cu_q_lens = np.full(rows + 1, total, np.int32)
         kv_lens, last_token = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        sample_slot = np.full(rows, self.sink_slot, np.int32)
-        query_slot = np.full(num_tokens, self.query_sink, np.int32)
+        sample_row = np.full(rows, self.sink_row, np.int32)
+        query_row = np.full(num_tokens, self.query_sink, np.int32)
         offset, sampled = 0, []
         for i, c in enumerate(chunks):
             r, n = c.request, c.num_tokens
@@ -268,22 +268,22 @@ class ModelRunner:
             tokens[offset:offset + n] = ids
             index = np.arange(c.start, c.start + n)
             positions[offset:offset + n] = index
-            pages = np.asarray(r.block_ids, np.int32)[index // self.page_size]
+            pages = np.asarray(r.page_ids, np.int32)[index // self.page_size]
             slots[offset:offset + n] = pages * self.page_size + index % self.page_size
             cu_q_lens[i] = offset
-            if r.query_slot is not None:  # one writer per ring slot: the chunk's last W tokens
-                query_slot[max(offset, offset + n - self.window):offset + n] = r.query_slot
+            if r.query_row is not None:  # one writer per ring slot: the chunk's last W tokens
+                query_row[max(offset, offset + n - self.window):offset + n] = r.query_row
             offset += n
             kv_lens[i], last_token[i] = c.start + n, offset - 1
             if c.samples:
-                sample_slot[i] = r.token_slot
+                sample_row[i] = r.token_row
             sampled.append(r if c.samples else None)
         batch = PagedBatch(tokens=tokens, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                            page_tables=self._page_table(rows, [c.request for c in chunks]),
                            logits_indices=last_token, cu_q_lens=cu_q_lens)
         inputs = dict(batch=batch, sampling=self._sampling(rows, sampled, force_sampled=True),
-                      from_buffer=np.zeros(num_tokens, bool), buffer_slot=np.full(num_tokens, self.sink_slot, np.int32),
-                      sample_slot=sample_slot, query_slot=query_slot)
+                      from_buffer=np.zeros(num_tokens, bool), buffer_row=np.full(num_tokens, self.sink_row, np.int32),
+                      sample_row=sample_row, query_row=query_row)
         return inputs, sampled
 
     def prefill(self, chunks) -> StepHandle:
@@ -344,17 +344,17 @@ class ModelRunner:
     def _compression_plan(self, group, budget: int, rows: int, width: int) -> CompressionPlan:
         src = np.zeros((rows, width), np.int32)
         dst = np.zeros((rows, budget), np.int32)
-        num_src, query_slots, logical = (np.zeros(rows, np.int32) for _ in range(3))
+        num_src, query_rows, logical = (np.zeros(rows, np.int32) for _ in range(3))
         before, valid = np.zeros(rows, bool), np.zeros(rows, bool)
         for i, c in enumerate(group):
-            assert c.request.query_slot is not None, "compression without a query slot"
+            assert c.request.query_row is not None, "compression without a query row"
             src[i, :len(c.src_pages)] = c.src_pages
             dst[i] = c.dst_pages
-            num_src[i], query_slots[i], logical[i] = len(c.src_pages), c.request.query_slot, c.logical_len
+            num_src[i], query_rows[i], logical[i] = len(c.src_pages), c.request.query_row, c.logical_len
             before[i], valid[i] = c.compressed_before, True
         targets = dst[valid]  # the compaction's scatter assumes distinct real pages (unique_indices)
         assert targets.min(initial=1) > 0 and len(np.unique(targets)) == targets.size, "overlapping dst pages"
-        return CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_slots=query_slots,
+        return CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_rows=query_rows,
                                logical_lens=logical, compressed_before=before, valid=valid)
 
     def _compress_program(self, packed, spec, rows: int, width: int) -> Program:
@@ -380,22 +380,22 @@ class ModelRunner:
                           (self.state,) + index + state, options=COMPILER_OPTIONS)
         return gather, scatter
 
-    def _swap_index(self, pages: np.ndarray, query_slot: int):
-        return jax.device_put((pages, np.int32(query_slot)), self.replicated)
+    def _swap_index(self, pages: np.ndarray, query_row: int):
+        return jax.device_put((pages, np.int32(query_row)), self.replicated)
 
-    def swap_out(self, pages: list[int], query_slot: int) -> tuple:
+    def swap_out(self, pages: list[int], query_row: int) -> tuple:
         """Host copies of the pages' K/V (and scores) and of the query-cache row, ordered after every step
         dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away."""
         padded = np.zeros(pick_bucket(self.swap_page_sizes, len(pages)), np.int32)
         padded[:len(pages)] = pages
         gather, _ = self._swap_programs(len(padded))
-        arrays = self.programs.run(gather, self.state, *self._swap_index(padded, query_slot))
+        arrays = self.programs.run(gather, self.state, *self._swap_index(padded, query_row))
         k, v, scores, queries = (np.asarray(a) for a in arrays)
         n = len(pages)
         return k[:, :n], v[:, :n], scores[:, :n] if scores.ndim else scores, queries
 
-    def swap_in(self, pages: list[int], query_slot: int, state: tuple):
-        """Write swapped-out contents into the request's new pages and query slot (padding goes to the null page)."""
+    def swap_in(self, pages: list[int], query_row: int, state: tuple):
+        """Write swapped-out contents into the request's new pages and query row (padding goes to the null page)."""
         k, v, scores, queries = state
         size = pick_bucket(self.swap_page_sizes, len(pages))
         padded = np.zeros(size, np.int32)
@@ -407,15 +407,15 @@ class ModelRunner:
         scores = pad(scores) if scores.ndim else scores
         state = (pad(k), pad(v), scores, queries)
         _, scatter = self._swap_programs(size, state)
-        self.state = self.programs.run(scatter, self.state, *self._swap_index(padded, query_slot), *state)
+        self.state = self.programs.run(scatter, self.state, *self._swap_index(padded, query_row), *state)
 
     # -- one scheduler output ------------------------------------------------------------------------------
     def execute(self, scheduled: SchedulerOutput) -> list[StepHandle]:
         """Dispatch everything ``scheduled`` asks for (see the module docstring); returns the step handles."""
         for swap in scheduled.swap_outs:
-            swap.request.swap_state = self.swap_out(swap.pages, swap.query_slot)
+            swap.request.swap_state = self.swap_out(swap.pages, swap.query_row)
         for request in scheduled.swap_ins:
-            self.swap_in(request.block_ids, request.query_slot, request.swap_state)
+            self.swap_in(request.page_ids, request.query_row, request.swap_state)
             request.swap_state = None
         if scheduled.compressions and not self.async_compression:
             self.compress(scheduled.compressions, wait=True)
@@ -446,11 +446,11 @@ class ModelRunner:
             packed, spec = packing.pack(self._compression_plan([], budget, rows, width))
             programs.append(self._compress_program(packed, spec, rows, width))
         if compressions:
-            programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_blocks + 1)))
+            programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_pages + 1)))
         return programs
 
     def _warmup_compressions(self) -> list[tuple[int, int, int]]:
-        budget = self.config.kv_budget_blocks
+        budget = self.config.kv_budget_pages
         if not self.compression or budget + 1 > self.pages_per_seq:
             return []
         shapes = []

@@ -79,7 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool | int | None = None
     skip_special_tokens: bool = True
-    kv_budget_blocks: int | None = None
+    kv_budget_pages: int | None = None
 
     def __post_init__(self):
         def put(name, value):
@@ -109,8 +109,8 @@ class SamplingParams:
         put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
         put("logprobs", _logprobs(self.logprobs))
         put("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
-        if self.kv_budget_blocks is not None:
-            put("kv_budget_blocks", _int("kv_budget_blocks", self.kv_budget_blocks, lo=1))
+        if self.kv_budget_pages is not None:
+            put("kv_budget_pages", _int("kv_budget_pages", self.kv_budget_pages, lo=1))
 
     @property
     def greedy(self) -> bool:

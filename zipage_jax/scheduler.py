@@ -9,17 +9,17 @@ Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least `
 is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the
 end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
-request's last ``W`` window queries, which the device records only for holders of one of ``C`` query slots; so a
-request must hold a slot before it computes any of the last ``W`` tokens before its first compression point, and
-keeps it until it ends. With hybrid admission, a request without a slot runs until then and stalls there until a
-slot frees (front-most first); a prefill chunk is cut short at that point instead. Without it (constrained
-admission) a request gets its slot on admission or waits. A slot is granted only while the ``M+1`` steady-state
+request's last ``W`` window queries, which the device records only for holders of one of ``C`` query rows; so a
+request must hold a query row before it computes any of the last ``W`` tokens before its first compression point, and
+keeps it until it ends. With hybrid admission, a request without a query row runs until then and stalls there until a
+query row frees (front-most first); a prefill chunk is cut short at that point instead. Without it (constrained
+admission) a request gets its query row on admission or waits. A query row is granted only while the ``M+1`` steady-state
 pages of all holders fit in the pool (per-request budgets). The prefix cache never serves the pages of that window
 (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
-rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all slot holders) are due or
-one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many slot holders
+rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
+one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many query-row holders
 about one request falls due each step, and a dispatch has a fixed cost (every layer's kernels) whatever its rows.
 Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
 requests are left out of this step's decode (they decode next step, after their compression in device stream
@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import typing
 
-from zipage_jax.block_manager import BlockManager
+from zipage_jax.page_manager import PageManager
 from zipage_jax.request import Request, RequestStatus
 
 if typing.TYPE_CHECKING:  # the scheduler is plain Python: no jax import for its annotations
@@ -65,7 +65,7 @@ class Compression:
 class SwapOut:
     request: Request
     pages: list[int]  # its pages, already released on the host: copy them before anything reuses them
-    query_slot: int
+    query_row: int
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ class SchedulerOutput:
     preempted: list[Request]
     compressions: list[Compression] = dataclasses.field(default_factory=list)
     swap_outs: list[SwapOut] = dataclasses.field(default_factory=list)
-    swap_ins: list[Request] = dataclasses.field(default_factory=list)  # block_ids / query_slot already new
+    swap_ins: list[Request] = dataclasses.field(default_factory=list)  # page_ids / query_row already new
     stalled: list[Request] = dataclasses.field(default_factory=list)
 
     @property
@@ -84,11 +84,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, config: "EngineConfig", plan: "MemoryPlan"):
-        """``plan`` gives the query slots and the compression bound (``max_compression_pages``; None: none)."""
-        self.block_manager = block_manager
+    def __init__(self, page_manager: PageManager, config: "EngineConfig", plan: "MemoryPlan"):
+        """``plan`` gives the query rows and the compression bound (``max_compression_pages``; None: none)."""
+        self.page_manager = page_manager
         self.compression = config.compression
-        self.kv_budget_blocks = config.kv_budget_blocks
+        self.kv_budget_pages = config.kv_budget_pages
         self.max_num_seqs = max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_prefill_seqs = config.max_num_prefill_seqs
@@ -96,18 +96,18 @@ class Scheduler:
         self.hybrid_admission = config.hybrid_admission
         self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
-        self.num_query_slots = plan.num_query_slots
+        self.num_query_rows = plan.num_query_rows
         self.compression_min_batch = config.compression_min_batch
         self.compression_max_wait_steps = config.compression_max_wait_steps
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order
-        self.free_token_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.free_query_slots = list(range(self.num_query_slots - 1, -1, -1))
-        self.committed_pages = 0  # sum of M+1 over the slot holders
+        self.free_token_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.free_query_rows = list(range(self.num_query_rows - 1, -1, -1))
+        self.committed_pages = 0  # sum of M+1 over the query-row holders
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.num_stalled = 0  # requests that could not advance in the last step (slot or compression bound)
+        self.num_stalled = 0  # requests that could not advance in the last step (query row or compression bound)
         self._scheduled: set[int] = set()
         self._steps = 0
         self._due_since: dict[int, int] = {}  # id(request) -> step it became due, while its compression waits
@@ -119,34 +119,34 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def budget(self, request: Request) -> int:
-        return request.kv_budget(self.kv_budget_blocks)
+        return request.kv_budget(self.kv_budget_pages)
 
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.block_manager.release_deferred()  # last step's compressions precede everything dispatched now
+        self.page_manager.release_deferred()  # last step's compressions precede everything dispatched now
         out = SchedulerOutput([], [], [])
         self._scheduled = set()
-        budget = self.max_num_batched_tokens
+        token_budget = self.max_num_batched_tokens
         compression_pages = 0
         compress_now = self._compression_batch_ready()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             todo = request.num_tokens - request.num_computed_tokens
             if request.reached_max_tokens or todo < 1 or (todo > 1 and len(out.prefills) >= self.max_num_prefill_seqs):
                 i += 1  # waiting for its last token to come back, or no prefill row left this step
                 continue
-            num_new = 1 if todo == 1 else self._prefill_size(request, todo, budget)
-            if self.compression and request.query_slot is None:
-                end = self.slotless_end(request, request.num_computed_tokens + num_new)
-                if end < request.num_computed_tokens + num_new and not self._grant_slot(request):
+            num_new = 1 if todo == 1 else self._prefill_size(request, todo, token_budget)
+            if self.compression and request.query_row is None:
+                end = self.end_without_query_row(request, request.num_computed_tokens + num_new)
+                if end < request.num_computed_tokens + num_new and not self._grant_query_row(request):
                     num_new = end - request.num_computed_tokens if todo > 1 else 0
-                    if num_new <= 0:  # stalled at its window until a slot frees
+                    if num_new <= 0:  # stalled at its window until a query row frees
                         out.stalled.append(request)
                         i += 1
                         continue
             if todo == 1 and self._due_for_compression(request):
-                pages = len(request.block_ids)
+                pages = len(request.page_ids)
                 if not compress_now or (self.max_compression_pages is not None and out.compressions
                                         and compression_pages + pages > self.max_compression_pages):
                     out.stalled.append(request)  # the batch is full; compressed next step
@@ -167,62 +167,62 @@ class Scheduler:
                 out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             self._scheduled.add(id(request))
             request.num_computed_tokens += num_new
-            budget -= num_new
+            token_budget -= num_new
             i += 1
         if not out.preempted:
             self._swap_in(out)
             if not self.swapped:
-                self._admit(out, budget)
+                self._admit(out, token_budget)
         self.num_stalled = len(out.stalled)
         return out
 
     def _compression_batch_ready(self) -> bool:
-        """Whether this step dispatches the due compressions: enough are due together (or every slot holder is),
+        """Whether this step dispatches the due compressions: enough are due together (or every query-row holder is),
         or one has waited long enough (see the module docstring)."""
         self._steps += 1
         if not self.compression or self.compression_max_wait_steps == 0 or self.compression_min_batch <= 1:
             return True
-        due = [r for r in self.running if r.query_slot is not None and not r.reached_max_tokens
+        due = [r for r in self.running if r.query_row is not None and not r.reached_max_tokens
                and r.num_tokens - r.num_computed_tokens == 1 and self._due_for_compression(r)]
         self._due_since = {id(r): self._due_since.get(id(r), self._steps) for r in due}
-        holders = sum(r.query_slot is not None for r in self.running)  # only they fall due: no more company
+        holders = sum(r.query_row is not None for r in self.running)  # only they fall due: no more company
         return len(due) >= min(self.compression_min_batch, holders) or any(
             self._steps - since >= self.compression_max_wait_steps for since in self._due_since.values())
 
-    # -- query slots -------------------------------------------------------------------------------------
+    # -- query rows -------------------------------------------------------------------------------------
     def first_due(self, request: Request) -> int:
         """Length at which the request is first compressed: the end of its prompt's last page, at least M+1 pages.
 
         A function of the prompt alone, so chunking and recomputation never move it: prefill chunks stop there.
         """
-        size = self.block_manager.block_size
+        size = self.page_manager.page_size
         return size * max(self.budget(request) + 1, -(-len(request.prompt_token_ids) // size))
 
-    def slotless_end(self, request: Request, end: int) -> int:
-        """The largest length ``<= end`` an uncompressed request can reach without a query slot."""
+    def end_without_query_row(self, request: Request, end: int) -> int:
+        """The largest length ``<= end`` an uncompressed request can reach without a query row."""
         return min(end, self.first_due(request) - self.window)
 
-    def _prefill_size(self, request: Request, todo: int, budget: int) -> int:
-        """Tokens of the next chunk: the budget, and never past the first compression point."""
-        n = min(todo, budget)
+    def _prefill_size(self, request: Request, todo: int, token_budget: int) -> int:
+        """Tokens of the next chunk: within the step's token budget, and never past the first compression point."""
+        n = min(todo, token_budget)
         if self.compression and not request.compressed:
             n = min(n, self.first_due(request) - request.num_computed_tokens)
         assert n >= 1
         return n
 
-    def _grant_slot(self, request: Request) -> bool:
+    def _grant_query_row(self, request: Request) -> bool:
         need = self.budget(request) + 1
-        if not self.free_query_slots or self.committed_pages + need > self.block_manager.num_pages - 1:
+        if not self.free_query_rows or self.committed_pages + need > self.page_manager.num_pages - 1:
             return False
-        request.query_slot = self.free_query_slots.pop()
+        request.query_row = self.free_query_rows.pop()
         self.committed_pages += need
         return True
 
-    def _release_query_slot(self, request: Request):
-        if request.query_slot is not None:
-            self.free_query_slots.append(request.query_slot)
+    def _release_query_row(self, request: Request):
+        if request.query_row is not None:
+            self.free_query_rows.append(request.query_row)
             self.committed_pages -= self.budget(request) + 1
-            request.query_slot = None
+            request.query_row = None
 
     # -- pages -------------------------------------------------------------------------------------------
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
@@ -230,7 +230,7 @@ class Scheduler:
         Returns False when that was ``request`` itself."""
         victim = next(r for r in reversed(self.running) if id(r) not in self._scheduled)
         if victim.compressed:
-            out.swap_outs.append(SwapOut(victim, list(victim.block_ids), victim.query_slot))
+            out.swap_outs.append(SwapOut(victim, list(victim.page_ids), victim.query_row))
             self.swap_out(victim)
         else:
             self.preempt(victim)
@@ -238,99 +238,100 @@ class Scheduler:
         return victim is not request
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.block_manager.allocate(request, num_new):
+        while not self.page_manager.allocate(request, num_new):
             if not self._preempt_for(request, out):
                 return False
         return True
 
     def _due_for_compression(self, request: Request) -> bool:
         """All pages full, at least M+1 of them, the next token needs a new one, and the prompt's pages are done."""
-        pages = len(request.block_ids)
+        pages = len(request.page_ids)
         return (self.compression and pages >= self.budget(request) + 1
-                and request.num_physical_tokens == pages * self.block_manager.block_size
+                and request.num_physical_tokens == pages * self.page_manager.page_size
                 and (request.compressed or request.num_computed_tokens >= self.first_due(request)))
 
     def _compress_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
-        assert request.query_slot is not None, "compression without a query slot"
+        assert request.query_row is not None, "compression without a query row"
         budget = self.budget(request)
-        while (plan := self.block_manager.plan_compression(request, budget, self.async_compression)) is None:
+        while (plan := self.page_manager.plan_compression(request, budget, self.async_compression)) is None:
             if not self._preempt_for(request, out):
                 return False
         src, dst = plan
         out.compressions.append(Compression(request, src, dst, request.num_computed_tokens, request.compressed))
-        request.num_evicted += request.num_physical_tokens - budget * self.block_manager.block_size
+        request.num_evicted += request.num_physical_tokens - budget * self.page_manager.page_size
         request.num_compressions += 1
-        request.note_blocks()
+        request.note_pages()
         return True
 
     # -- admission ---------------------------------------------------------------------------------------
     def _start(self, request: Request):
         request.status = RequestStatus.RUNNING
-        request.token_slot = self.free_token_slots.pop()
+        request.token_row = self.free_token_rows.pop()
         self.running.append(request)
 
     def _swap_in(self, out: SchedulerOutput):
         while self.swapped and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            if request.num_pending or not self._grant_slot(request):
-                break  # its last token is still in flight, or no slot: it comes back first, later
-            pages = self.block_manager.allocate_pages(request.swap_pages)
+            if request.num_pending or not self._grant_query_row(request):
+                break  # its last token is still in flight, or no query row: it comes back first, later
+            pages = self.page_manager.allocate_pages(request.swap_pages)
             if pages is None:
-                self._release_query_slot(request)
+                self._release_query_row(request)
                 break
             self.swapped.pop(0)
-            request.block_ids = pages
-            request.note_blocks()
+            request.page_ids = pages
+            request.note_pages()
             self._start(request)
             out.swap_ins.append(request)
 
-    def _admit(self, out: SchedulerOutput, budget: int):
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+    def _admit(self, out: SchedulerOutput, token_budget: int):
+        while (self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token still in flight; it is known by the next step
-            if not request.block_ids:  # the window of the first compression is always computed
+            if not request.page_ids:  # the window of the first compression is always computed
                 limit = self.first_due(request) - self.window if self.compression else None
-                self.block_manager.match_prefix(request, limit)
+                self.page_manager.match_prefix(request, limit)
             todo = request.num_tokens - request.num_computed_tokens
-            num_new = self._prefill_size(request, todo, budget)
+            num_new = self._prefill_size(request, todo, token_budget)
             if self.compression:
                 end = request.num_computed_tokens + num_new
-                slotless = self.slotless_end(request, end) if self.hybrid_admission else request.num_computed_tokens
-                if slotless < end and not self._grant_slot(request):
-                    num_new = slotless - request.num_computed_tokens
+                reachable = (self.end_without_query_row(request, end) if self.hybrid_admission
+                             else request.num_computed_tokens)
+                if reachable < end and not self._grant_query_row(request):
+                    num_new = reachable - request.num_computed_tokens
                     if num_new <= 0:
                         self._release_pages(request)
                         break
-            if not self.block_manager.allocate(request, num_new):
-                self._release_query_slot(request)
+            if not self.page_manager.allocate(request, num_new):
+                self._release_query_row(request)
                 self._release_pages(request)
                 break
             self.waiting.popleft()
             self._start(request)
             out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             request.num_computed_tokens += num_new
-            budget -= num_new
+            token_budget -= num_new
 
     # -- state changes -----------------------------------------------------------------------------------
     def _release_pages(self, request: Request):
-        self.block_manager.free(request)
+        self.page_manager.free(request)
         request.num_computed_tokens = 0
         request.num_evicted = 0
 
-    def _release_slots(self, request: Request):
-        if request.token_slot is not None:
-            self.free_token_slots.append(request.token_slot)
-            request.token_slot = None
-        self._release_query_slot(request)
+    def _release_rows(self, request: Request):
+        if request.token_row is not None:
+            self.free_token_rows.append(request.token_row)
+            request.token_row = None
+        self._release_query_row(request)
 
     def preempt(self, request: Request):
         """Free the request's pages; it goes back to the front of the queue and is recomputed."""
         assert not request.compressed, "a compressed request cannot be recomputed exactly: swap it out"
         self.running.remove(request)
         self._release_pages(request)
-        self._release_slots(request)
+        self._release_rows(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -339,9 +340,9 @@ class Scheduler:
     def swap_out(self, request: Request):
         """Release the compressed request's pages and slots; the caller copies their contents to the host first."""
         self.running.remove(request)
-        request.swap_pages = len(request.block_ids)
-        self.block_manager.free(request)
-        self._release_slots(request)
+        request.swap_pages = len(request.page_ids)
+        self.page_manager.free(request)
+        self._release_rows(request)
         request.status = RequestStatus.SWAPPED
         request.num_swaps += 1
         self.num_swaps += 1
@@ -356,5 +357,5 @@ class Scheduler:
             self.swapped.remove(request)
             request.swap_state = None
         self._release_pages(request)
-        self._release_slots(request)
+        self._release_rows(request)
         request.status = status

@@ -194,7 +194,7 @@ def add_arguments(parser):
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="requests per second")
     parser.add_argument("--requests", type=int, default=64, help="requests per rate")
     parser.add_argument("--workload", choices=WORKLOADS, default="reasoning")
-    parser.add_argument("--block-size", type=int, default=16, help="scales the workload (the server's page size)")
+    parser.add_argument("--page-size", type=int, default=16, help="scales the workload (the server's page size)")
     parser.add_argument("--budget-tokens", type=int, default=64, help="scales the workload's output lengths")
     parser.add_argument("--vocab-size", type=int, default=128, help="prompt token ids are drawn below this")
     parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + output of a request at most")
@@ -211,14 +211,14 @@ def add_arguments(parser):
 
 
 def main(args) -> dict:
-    for name in ("requests", "soak_rate", "block_size", "budget_tokens", "vocab_size"):
+    for name in ("requests", "soak_rate", "page_size", "budget_tokens", "vocab_size"):
         if getattr(args, name) <= 0:
             raise ValueError(f"{name}: must be > 0 (got {getattr(args, name)})")
     if any(r <= 0 for r in args.rates):
         raise ValueError(f"rates: must be > 0 (got {args.rates})")
     if not 0 <= args.cancel_prob <= 1:
         raise ValueError(f"cancel_prob: must be in [0, 1] (got {args.cancel_prob})")
-    w = make_workload(args.workload, args.requests, args.budget_tokens, args.block_size, args.vocab_size,
+    w = make_workload(args.workload, args.requests, args.budget_tokens, args.page_size, args.vocab_size,
                       args.max_model_len, args.seed)
     url = args.url.rstrip("/")
     model = asyncio.run(model_name(url))

@@ -1,16 +1,16 @@
 """Accuracy against KV budget for several scoring configurations in one process: `python -m zipage_jax.sweep`.
 
     python -m zipage_jax.sweep --data synthetic:test:200 --data synthetic:interleaved_sums:test:200 \\
-        --budgets 4,6,9,19 --block-size 16 --output sweep.json --plot sweep.png
+        --budgets 4,6,9,19 --page-size 16 --output sweep.json --plot sweep.png
 
 A configuration is a set of `EngineConfig` overrides (`--config NAME:field=value,field=value`, e.g.
 `--config no-global:global_score=false`); without `--config` the grid is `ABLATIONS`, the scoring
 components of the paper's default taken out one at a time, plus the window-only and full-KV baselines.
-Budgets are per-request (`SamplingParams.kv_budget_blocks`), so one engine serves every budget of a
+Budgets are per-request (`SamplingParams.kv_budget_pages`), so one engine serves every budget of a
 configuration, and every data set, in one batched `generate`; an engine is built only for each distinct set
 of overrides. Prints one table (accuracy per configuration and budget, for each data set), and writes the JSON
 (after every configuration, so a run cut short keeps what it finished) and one plot of accuracy against budget,
-a line per configuration and a panel per data set. The budget axis is `M * block_size` as a share of the mean
+a line per configuration and a panel per data set. The budget axis is `M * page_size` as a share of the mean
 full-KV output, when the grid has a full-KV configuration.
 """
 
@@ -88,7 +88,7 @@ def engine_kwargs(base: dict, overrides: dict, budgets: list[int]) -> dict:
     """The engine of one configuration: compression on (unless overridden off), sized for the largest budget."""
     kwargs = {"compression": True, **base, **overrides}
     if kwargs["compression"]:
-        kwargs["kv_budget_blocks"] = max(budgets)
+        kwargs["kv_budget_pages"] = max(budgets)
     return kwargs
 
 
@@ -107,7 +107,7 @@ def run_config(llm, datasets: dict[str, list[dict]], budgets: list[int | None], 
             cells.append((data, budget, items))
             for item in items:
                 prompts.append(format_prompt(llm.tokenizer, item["question"]))
-                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_budget_blocks=budget))
+                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_budget_pages=budget))
     start = time.perf_counter()
     outputs = iter(llm.generate(prompts, params, use_tqdm=use_tqdm))
     elapsed = time.perf_counter() - start
@@ -134,7 +134,7 @@ def sweep(model: str, datasets: dict[str, list[dict]], configs: dict[str, dict],
     from zipage_jax.engine import LLM
 
     base = dict(base or {})
-    report = {"model": model, "data": list(datasets), "budgets": budgets, "block_size": None,
+    report = {"model": model, "data": list(datasets), "budgets": budgets, "page_size": None,
               "configs": configs, "engine_base": base, "results": [], "skipped": []}
     start = time.perf_counter()
     by_engine: dict[str, list[str]] = {}
@@ -148,7 +148,7 @@ def sweep(model: str, datasets: dict[str, list[dict]], configs: dict[str, dict],
         kwargs = json.loads(key)
         t0 = time.perf_counter()
         llm = LLM(model, **kwargs)
-        report["block_size"] = llm.engine.config.block_size
+        report["page_size"] = llm.engine.config.page_size
         rows = run_config(llm, datasets, budgets if kwargs["compression"] else [None], max_tokens, use_tqdm)
         del llm
         gc.collect()  # the next engine allocates its own pool
@@ -169,7 +169,7 @@ def full_kv_rows(report: dict) -> dict[str, dict]:
 def table(report: dict) -> str:
     """Markdown: one block per data set, a row per configuration, a column per budget (pages, share of output)."""
     full = full_kv_rows(report)
-    page = report["block_size"] or 0
+    page = report["page_size"] or 0
     lines = []
     for data in report["data"]:
         reference = full.get(data)
@@ -201,7 +201,7 @@ def plot(report: dict, path=None):
     import matplotlib.pyplot as plt
 
     full = full_kv_rows(report)
-    page = report["block_size"] or 1
+    page = report["page_size"] or 1
     fig, axes = plt.subplots(1, len(report["data"]), figsize=(6 * len(report["data"]), 4.2), squeeze=False)
     for ax, data in zip(axes[0], report["data"]):
         reference = full.get(data)

@@ -68,7 +68,7 @@ def long_tail(rng, mean: float, count: int, low: int, high: int, sigma: float = 
     return np.clip(rng.lognormal(mu, sigma, size=count), low, high).astype(int).tolist()
 
 
-def make_workload(name: str, num_requests: int, budget_tokens: int, block_size: int, vocab: int,
+def make_workload(name: str, num_requests: int, budget_tokens: int, page_size: int, vocab: int,
                   max_model_len: int, seed: int = 0) -> Workload:
     """A named workload, scaled by the KV budget ``M * S`` (tokens) and the page size.
 
@@ -91,21 +91,21 @@ def make_workload(name: str, num_requests: int, budget_tokens: int, block_size: 
         return [min(o, max_model_len - len(p)) for p, o in zip(prompts, outputs)]
 
     if name == "reasoning":
-        system = ids(block_size)
-        prompts = [system + ids(n) for n in rng.integers(block_size // 8, block_size, size=num_requests)]
+        system = ids(page_size)
+        prompts = [system + ids(n) for n in rng.integers(page_size // 8, page_size, size=num_requests)]
         outputs = long_tail(rng, 4.5 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
-        text = f"shared {block_size}-token prefix + short question; long-tailed outputs, mean 4.5 x budget"
+        text = f"shared {page_size}-token prefix + short question; long-tailed outputs, mean 4.5 x budget"
     elif name == "mixed":
-        prompts = [ids(n) for n in rng.integers(block_size // 8, 2 * block_size, size=num_requests)]
+        prompts = [ids(n) for n in rng.integers(page_size // 8, 2 * page_size, size=num_requests)]
         short = rng.integers(16, max(17, budget_tokens // 2), size=num_requests).tolist()
         long = long_tail(rng, 4.5 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
         outputs = [s if i % 2 == 0 else t for i, (s, t) in enumerate(zip(short, long))]
         text = "short answers (< budget/2) interleaved with long-tailed reasoning outputs (mean 4.5 x budget)"
     else:
-        shared = [ids(4 * block_size) for _ in range(4)]
-        prompts = [shared[i % 4] + ids(n) for i, n in enumerate(rng.integers(8, block_size // 2, size=num_requests))]
+        shared = [ids(4 * page_size) for _ in range(4)]
+        prompts = [shared[i % 4] + ids(n) for i, n in enumerate(rng.integers(8, page_size // 2, size=num_requests))]
         outputs = long_tail(rng, budget_tokens, num_requests, 16, max_model_len)
-        text = f"4 shared {4 * block_size}-token prompts + short question; outputs mean 1 x budget"
+        text = f"4 shared {4 * page_size}-token prompts + short question; outputs mean 1 x budget"
     return Workload(name, prompts, fit(prompts, outputs), text)
 
 
@@ -152,8 +152,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     programs, compiles = engine.runner.programs, engine.compile_counter.count
     compile_wall = programs.compile_wall_s
     total_bytes, step_weight_bytes = param_bytes(engine.params, engine.model_cfg, engine.dtype)
-    page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.block_size, engine.dtype)
-    scheduler, bm = engine.scheduler, engine.block_manager
+    page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.page_size, engine.dtype)
+    scheduler, bm = engine.scheduler, engine.page_manager
     pages = bm.num_pages - 1
 
     requests = []
@@ -187,12 +187,12 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         now = time.perf_counter() - start
         if now - last_sample >= sample_interval_s:
             last_sample = now
-            held = [len(r.block_ids) for r in scheduler.running]
+            held = [len(r.page_ids) for r in scheduler.running]
             samples.append(dict(
                 time_s=now, generated=generated(), num_running=running, num_waiting=len(scheduler.waiting),
                 num_swapped=len(scheduler.swapped), num_stalled=scheduler.num_stalled, kv_pages_used=bm.num_used_pages,
-                page_occupancy=bm.num_used_pages / pages, query_slots_used=scheduler.num_query_slots
-                - len(scheduler.free_query_slots), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
+                page_occupancy=bm.num_used_pages / pages, query_rows_used=scheduler.num_query_rows
+                - len(scheduler.free_query_rows), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
                 num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds))
         if duration is not None and now >= duration:
@@ -205,7 +205,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     half = next((s for s in samples if s["time_s"] >= wall / 2), samples[-1])
     second_half_s = wall - half["time_s"]
     metrics = engine.metrics()
-    peak_blocks = [r.peak_blocks for r in requests if r.peak_blocks]
+    peak_pages = [r.peak_pages for r in requests if r.peak_pages]
     row = dict(
         mode=mode, init_s=init_s, warmup_s=warm["compile_s"], programs=warm["programs"], startup_s=startup_s,
         compiles_after_warmup=engine.compile_counter.count - compiles, compile_s_after_warmup=compile_after,
@@ -222,9 +222,9 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         compression_time_share_since_start=metrics["compression_time_share"],
         hbm_roofline_fraction=bytes_read / steady_wall / HBM_PEAK_BYTES_PER_S,
         weight_bytes=total_bytes, page_bytes=page_bytes, kv_pages=pages,
-        num_query_slots=metrics["num_query_slots"], max_concurrency=metrics["max_concurrency"],
-        pages_per_request_peak_mean=float(np.mean(peak_blocks)) if peak_blocks else 0.0,
-        pages_per_request_peak=np.bincount(peak_blocks).tolist() if peak_blocks else [],
+        num_query_rows=metrics["num_query_rows"], max_concurrency=metrics["max_concurrency"],
+        pages_per_request_peak_mean=float(np.mean(peak_pages)) if peak_pages else 0.0,
+        pages_per_request_peak=np.bincount(peak_pages).tolist() if peak_pages else [],
         history=samples)
     progress(format_row(row))
     return row
@@ -306,7 +306,7 @@ def plot(report: dict, path: str):
         ax.legend(fontsize=7)
     config = report["config"]
     fig.suptitle(f"{report['workload']['name']}, {config['model']} on {config.get('device_kind')}: page "
-                 f"{config['block_size']}, M={config['kv_budget_blocks']}, {report['workload']['requests']} requests",
+                 f"{config['page_size']}, M={config['kv_budget_pages']}, {report['workload']['requests']} requests",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -314,7 +314,7 @@ def plot(report: dict, path: str):
 
 
 # -- the command -------------------------------------------------------------------------------------------------
-SMALL = dict(model=None, model_shape="tiny", block_size=16, kv_budget_blocks=2, requests=6, max_num_seqs=4,
+SMALL = dict(model=None, model_shape="tiny", page_size=16, kv_budget_pages=2, requests=6, max_num_seqs=4,
              max_num_batched_tokens=32, max_num_prefill_seqs=4, max_model_len=256, kv_cache_gb=None, num_pages=24,
              duration=None, sample_interval_s=0.0, attention_backend="auto", peer=None, no_warmup=True)
 
@@ -328,8 +328,8 @@ def add_arguments(parser):
     parser.add_argument("--model-shape", default="qwen3-8b", help="random weights of these shapes (bench.MODEL_SHAPES)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--kv-budget-blocks", type=int, default=8, help="M: the budget is M * block_size tokens")
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--kv-budget-pages", type=int, default=8, help="M: the budget is M * page_size tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-prefill-seqs", type=int, default=16)
@@ -354,7 +354,7 @@ def main(args) -> dict:
     if args.small:
         for key, value in SMALL.items():
             setattr(args, key, value)
-    budget_tokens = args.kv_budget_blocks * args.block_size
+    budget_tokens = args.kv_budget_pages * args.page_size
     from zipage_jax.bench import MODEL_SHAPES
     from zipage_jax.models.config import ModelConfig
 
@@ -365,7 +365,7 @@ def main(args) -> dict:
     else:
         raise ValueError(f"model_shape: unknown {args.model_shape!r}; have {sorted(MODEL_SHAPES)}")
     max_model_len = min(args.max_model_len, model_cfg.max_position_embeddings)
-    workload = make_workload(args.workload, args.requests, budget_tokens, args.block_size, model_cfg.vocab_size,
+    workload = make_workload(args.workload, args.requests, budget_tokens, args.page_size, model_cfg.vocab_size,
                              max_model_len, args.seed)
     tmp = tempfile.mkdtemp(prefix="zipage_throughput_")
     report = dict(benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -397,19 +397,19 @@ def main(args) -> dict:
     if args.num_pages is None:
         gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - weight_bytes) / 1e9
         kv_bytes = int(gb * 1e9)
-    options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    options = dict(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
-                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_blocks_override=args.num_pages,
+                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_pages_override=args.num_pages,
                    attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
                    metrics_interval_steps=0)
-    report["config"] = dict(options, kv_budget_blocks=args.kv_budget_blocks,
+    report["config"] = dict(options, kv_budget_pages=args.kv_budget_pages,
                             model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
                             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
                             duration_s=args.duration)
 
     def make_engine(mode):
         """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
-        extra = dict(compression=True, kv_budget_blocks=args.kv_budget_blocks) if mode == "compressed" else {}
+        extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages) if mode == "compressed" else {}
         params = None
         if not args.model:
             params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)
@@ -432,7 +432,7 @@ def run_peer(args, workload: Workload, model_cfg, tmp: str) -> dict:
     count = args.peer_requests or len(workload.prompts)
     spec = dict(model=args.model, model_shape=None if args.model else args.model_shape, seed=args.seed,
                 prompts=workload.prompts[:count], max_tokens=workload.max_tokens[:count],
-                duration=args.peer_duration, page_size=args.block_size, max_batch=args.max_num_seqs)
+                duration=args.peer_duration, page_size=args.page_size, max_batch=args.max_num_seqs)
     spec_path, out_path = os.path.join(tmp, "peer_spec.json"), os.path.join(tmp, "peer_out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)

@@ -82,7 +82,7 @@ def compression_case(key, model_cfg, batch, budget, page_size, table_pages, dtyp
     live = (jax.random.permutation(keys[4], batch * live_pages) + 1).reshape(batch, live_pages).astype(jnp.int32)
     tables = jnp.zeros((batch, table_pages), jnp.int32).at[:, :live_pages].set(live)
     plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.full((batch,), live_pages, jnp.int32),
-                           dst_tables=live[:, :budget], query_slots=jnp.arange(batch, dtype=jnp.int32),
+                           dst_tables=live[:, :budget], query_rows=jnp.arange(batch, dtype=jnp.int32),
                            logical_lens=jnp.full((batch,), live_pages * page_size + 3 * page_size, jnp.int32),
                            compressed_before=jnp.ones((batch,), bool), valid=jnp.ones((batch,), bool))
     return dict(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache, query_cache=query_cache, plan=plan)
@@ -140,7 +140,7 @@ def bench_compression(args):
         num_live = plan.num_src_pages * page_size
         num_slots = table_pages * page_size
         ring = (plan.logical_lens[:, None] - window + jnp.arange(window)) % window
-        layer_queries = lambda layer, qc: qc[layer, plan.query_slots[:, None], ring]  # noqa: E731
+        layer_queries = lambda layer, qc: qc[layer, plan.query_rows[:, None], ring]  # noqa: E731
         k_bytes = batch * hkv * (budget + 1) * page_size * head_dim * dtype.itemsize
         shape_row = dict(base, batch=batch, live_slots=(budget + 1) * page_size, table_slots=num_slots)
 

@@ -20,7 +20,7 @@ def scatter_slots(cache, layer, values, dst_tables, valid):
     """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``.
 
     Rows not ``valid`` write nothing at all (not even to the null page). The valid rows' dst pages must be
-    distinct (within and across rows; the block manager's own / copy-on-write pages are): every written
+    distinct (within and across rows; the page manager's own / copy-on-write pages are): every written
     (page, head, slot) is then unique, so the scatter is declared ``unique_indices`` (plain stores instead of
     GPU atomics). Invalid rows get distinct out-of-range pages, dropped, so they keep the indices unique.
     """

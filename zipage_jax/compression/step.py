@@ -22,7 +22,7 @@ class CompressionPlan:
 
     ``src_tables [B, P]``: live pages in order (first ``num_src_pages`` valid, all full).
     ``dst_tables [B, M]``: pages receiving the ``M * S`` kept slots (own first pages, or copy-on-write pages).
-    ``query_slots [B]``: query-cache row; ``logical_lens [B]``: window queries are positions
+    ``query_rows [B]``: query-cache row; ``logical_lens [B]``: window queries are positions
     ``logical_len - W .. logical_len - 1``; ``compressed_before [B]``: has score history;
     ``valid [B]``: padding rows change nothing.
     """
@@ -30,7 +30,7 @@ class CompressionPlan:
     src_tables: jax.Array
     num_src_pages: jax.Array
     dst_tables: jax.Array
-    query_slots: jax.Array
+    query_rows: jax.Array
     logical_lens: jax.Array
     compressed_before: jax.Array
     valid: jax.Array
@@ -66,7 +66,7 @@ def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, 
         history = jnp.zeros_like(score)
     else:
         ring = (plan.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
-        queries = query_cache[layer, plan.query_slots[:, None], ring]  # [B, W, Hq, D]
+        queries = query_cache[layer, plan.query_rows[:, None], ring]  # [B, W, Hq, D]
         attn = backend.window_scores(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size, queries,
                                      sm_scale)
         redundancy = None

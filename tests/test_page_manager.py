@@ -7,11 +7,11 @@ page is handed out again. Every operation is followed by the pool's own invarian
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zipage_jax.block_manager import NULL_PAGE, BlockManager
+from zipage_jax.page_manager import NULL_PAGE, PageManager
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
 
-BLOCK = 4
+PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64)
 
 
@@ -26,8 +26,8 @@ class PrefixModel:
 
     def expected_hits(self, tokens) -> list[int]:
         pages = []
-        for i in range((len(tokens) - 1) // BLOCK):
-            page = self.published.get(tuple(tokens[:(i + 1) * BLOCK]))
+        for i in range((len(tokens) - 1) // PAGE):
+            page = self.published.get(tuple(tokens[:(i + 1) * PAGE]))
             if page is None:
                 break
             pages.append(page)
@@ -37,10 +37,10 @@ class PrefixModel:
         self.published = {k: p for k, p in self.published.items() if p != page}
 
     def publish(self, request):
-        full = min(request.num_computed_tokens, request.num_tokens) // BLOCK
+        full = min(request.num_computed_tokens, request.num_tokens) // PAGE
         for i in range(self.considered[request.request_id], full):
-            prefix = tuple(request.all_token_ids[:(i + 1) * BLOCK])
-            page = request.block_ids[i]
+            prefix = tuple(request.all_token_ids[:(i + 1) * PAGE])
+            page = request.page_ids[i]
             if prefix not in self.published and page not in self.published.values():
                 self.published[prefix] = page
         self.considered[request.request_id] = max(full, self.considered[request.request_id])
@@ -60,7 +60,7 @@ operation = st.one_of(
        ops=st.lists(operation, min_size=1, max_size=60), sampled=st.lists(st.integers(0, 2), min_size=64,
                                                                           max_size=64))
 def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled):
-    bm = BlockManager(num_pages, BLOCK)
+    bm = PageManager(num_pages, PAGE)
     model = PrefixModel()
     live: list[Request] = []
     next_id = 0
@@ -68,7 +68,7 @@ def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled)
     def match(request):
         want = model.expected_hits(request.all_token_ids)
         got = bm.match_prefix(request)
-        assert got == len(want) * BLOCK and request.block_ids == want
+        assert got == len(want) * PAGE and request.page_ids == want
         assert request.num_computed_tokens == got
         model.considered[request.request_id] = len(want)
         model.queries += len(request.prompt_token_ids)
@@ -91,35 +91,35 @@ def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled)
                 request.add_pending()
                 request.resolve_pending(sampled[len(request.output_logprobs) % len(sampled)], 0.0)
             n = min(b, request.num_tokens - request.num_computed_tokens)
-            before = list(request.block_ids)
+            before = list(request.page_ids)
             free_before = bm.num_free_pages
             if bm.allocate(request, n):
-                new = request.block_ids[len(before):]
-                assert request.block_ids[:len(before)] == before
+                new = request.page_ids[len(before):]
+                assert request.page_ids[:len(before)] == before
                 assert len(new) == free_before - bm.num_free_pages
                 for page in new:
                     model.reuse(page)
                 # the pages this chunk writes are private and not in the cache: shared pages are never written
                 for i in range(request.num_computed_tokens, request.num_computed_tokens + n):
-                    page = request.block_ids[i // BLOCK]
+                    page = request.page_ids[i // PAGE]
                     assert page != NULL_PAGE and bm.ref_count[page] == 1 and bm.page_hash[page] is None
                 request.num_computed_tokens += n
                 bm.register_full_pages(request)
                 model.publish(request)
             else:
-                assert request.block_ids == before and bm.num_free_pages == free_before
+                assert request.page_ids == before and bm.num_free_pages == free_before
                 assert bm.pages_needed(request, n) > free_before
         elif op == "free":
             request = live.pop(a % len(live))
             bm.free(request)
-            assert request.block_ids == []
+            assert request.page_ids == []
         elif op == "readmit":
             request = live[a % len(live)]
             bm.free(request)
             request.num_computed_tokens = 0
             match(request)
         bm.check_invariants(live)
-        assert bm.num_free_pages == num_pages - 1 - len({p for r in live for p in r.block_ids})
+        assert bm.num_free_pages == num_pages - 1 - len({p for r in live for p in r.page_ids})
         assert (bm.prefix_queries, bm.prefix_hits) == (model.queries, model.hits)
 
     for request in live:
@@ -129,15 +129,15 @@ def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled)
 
 
 def test_shared_prefix_is_found_by_a_later_request_and_survives_its_owner():
-    bm = BlockManager(16, BLOCK)
+    bm = PageManager(16, PAGE)
     first = Request("a", list(range(10)), PARAMS, 0)
     bm.match_prefix(first)
     assert bm.allocate(first, 10)
     first.num_computed_tokens = 10
     bm.register_full_pages(first)
     second = Request("b", list(range(9)) + [99], PARAMS, 1)
-    assert bm.match_prefix(second) == 8 and second.block_ids == first.block_ids[:2]
-    assert [bm.ref_count[p] for p in first.block_ids] == [2, 2, 1]
+    assert bm.match_prefix(second) == 8 and second.page_ids == first.page_ids[:2]
+    assert [bm.ref_count[p] for p in first.page_ids] == [2, 2, 1]
     bm.free(first)
     bm.free(second)
     third = Request("c", list(range(8)) + [7], PARAMS, 2)  # a freed, still-hashed page is a hit
@@ -147,7 +147,7 @@ def test_shared_prefix_is_found_by_a_later_request_and_survives_its_owner():
 
 
 def test_last_known_token_is_never_served_from_the_cache():
-    bm = BlockManager(8, BLOCK)
+    bm = PageManager(8, PAGE)
     first = Request("a", list(range(8)), PARAMS, 0)
     bm.match_prefix(first)
     assert bm.allocate(first, 8)
@@ -159,13 +159,13 @@ def test_last_known_token_is_never_served_from_the_cache():
 
 def test_num_pages_below_two_raises():
     with pytest.raises(ValueError, match="num_pages"):
-        BlockManager(1, BLOCK)
+        PageManager(1, PAGE)
 
 
 def test_copy_on_write_target_is_never_read_by_another_compression_of_the_step():
     """The compaction kernel runs a batch's requests concurrently and in place, so a page released by one
     compression must not become another's copy-on-write target in the same step; next step it may."""
-    bm = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    bm = PageManager(8, PAGE, enable_prefix_caching=True)
     owner = Request("owner", list(range(4)) + [50, 51, 52, 53], PARAMS, 0)
     bm.match_prefix(owner)
     assert bm.allocate(owner, 8)
@@ -184,7 +184,7 @@ def test_copy_on_write_target_is_never_read_by_another_compression_of_the_step()
     assert bm.plan_compression(sharer, budget=1) is None  # the only free page is still read this step
     bm.check_invariants([owner, sharer, other])
     bm.release_deferred()  # the next step
-    shared_page = sharer.block_ids[0]
+    shared_page = sharer.page_ids[0]
     src, dst = bm.plan_compression(sharer, budget=1)
     assert src[0] == shared_page and dst == [released] and bm.ref_count[shared_page] == 1
     bm.check_invariants([owner, sharer, other])

@@ -25,12 +25,12 @@ def chain_hash(parent: int, tokens) -> int:
     return h.intdigest()
 
 
-class BlockManager:
-    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+class PageManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
-        self.block_size = block_size
+        self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_pages
         self.page_hash: list[int | None] = [None] * num_pages
@@ -52,8 +52,8 @@ class BlockManager:
         return self.num_pages - 1 - self.num_free_pages
 
     def pages_needed(self, request, num_new_tokens: int) -> int:
-        want = -(-(request.num_physical_tokens + num_new_tokens) // self.block_size)
-        return max(0, want - len(request.block_ids))
+        want = -(-(request.num_physical_tokens + num_new_tokens) // self.page_size)
+        return max(0, want - len(request.page_ids))
 
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
@@ -84,15 +84,15 @@ class BlockManager:
         produce logits. Nor is any page reaching past ``limit`` tokens (with compression: the start of the
         window whose queries the first compression scores with).
         """
-        assert not request.block_ids and request.num_computed_tokens == 0
+        assert not request.page_ids and request.num_computed_tokens == 0
         tokens = request.all_token_ids
         self.prefix_queries += len(request.prompt_token_ids)
         if not self.enable_prefix_caching:
             return 0
         parent, hits, hashes = 0, [], []
         last = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
-        for i in range(last // self.block_size):
-            parent = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+        for i in range(last // self.page_size):
+            parent = chain_hash(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
             hashes.append(parent)
             page = self.hash_to_page.get(parent)
             if page is None:
@@ -100,13 +100,13 @@ class BlockManager:
             hits.append(page)
         for page in hits:
             self._ref(page)
-        request.block_ids = hits
+        request.page_ids = hits
         request.page_hashes = hashes[:len(hits)]
-        num_cached = len(hits) * self.block_size
+        num_cached = len(hits) * self.page_size
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
         self.prefix_hits += min(num_cached, len(request.prompt_token_ids))
-        request.note_blocks()
+        request.note_pages()
         return num_cached
 
     def allocate(self, request, num_new_tokens: int) -> bool:
@@ -114,8 +114,8 @@ class BlockManager:
         need = self.pages_needed(request, num_new_tokens)
         if need > self.num_free_pages:
             return False
-        request.block_ids.extend(self._take_free_page() for _ in range(need))
-        request.note_blocks()
+        request.page_ids.extend(self._take_free_page() for _ in range(need))
+        request.note_pages()
         return True
 
     def allocate_pages(self, n: int) -> list[int] | None:
@@ -134,9 +134,9 @@ class BlockManager:
 
     def free(self, request):
         """Drop the request's references (last page first, so LRU eviction takes tails before heads)."""
-        for page in reversed(request.block_ids):
+        for page in reversed(request.page_ids):
             self._unref(page)
-        request.block_ids = []
+        request.page_ids = []
         request.page_hashes = []
 
     def _unpublish(self, page: int):
@@ -170,7 +170,7 @@ class BlockManager:
         read (they lose this request's reference); pages in between are released, still findable by hash
         (deferred with ``defer``: the compression is dispatched after the step's other work).
         """
-        src = list(request.block_ids)
+        src = list(request.page_ids)
         cow = sum(self.ref_count[p] > 1 for p in src[:budget]) + (self.ref_count[src[-1]] > 1)
         if cow and cow > sum(p not in self.compaction_sources for p in self.free_pages):
             return None
@@ -179,7 +179,7 @@ class BlockManager:
         recent = self._private(src[-1])
         for page in src[budget:-1]:
             self._unref(page, defer)
-        request.block_ids = dst + [recent]
+        request.page_ids = dst + [recent]
         request.page_hashes = []
         return src, dst
 
@@ -188,19 +188,19 @@ class BlockManager:
         if not self.enable_prefix_caching or request.compressed:
             return
         known = request.num_tokens - request.num_pending
-        full = min(request.num_computed_tokens, known, len(request.block_ids) * self.block_size) // self.block_size
+        full = min(request.num_computed_tokens, known, len(request.page_ids) * self.page_size) // self.page_size
         for i in range(len(request.page_hashes), full):
             parent = request.page_hashes[-1] if request.page_hashes else 0
-            h = chain_hash(parent, request.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            h = chain_hash(parent, request.token_slice(i * self.page_size, (i + 1) * self.page_size))
             request.page_hashes.append(h)
-            page = request.block_ids[i]
+            page = request.page_ids[i]
             if h not in self.hash_to_page and self.page_hash[page] is None:
                 self.hash_to_page[h] = page
                 self.page_hash[page] = h
 
     # -- invariants (tests) ------------------------------------------------------------------------------
     def check_invariants(self, requests):
-        owners = collections.Counter(p for r in requests for p in r.block_ids)
+        owners = collections.Counter(p for r in requests for p in r.page_ids)
         assert NULL_PAGE not in owners, "null page handed out"
         assert self.ref_count[NULL_PAGE] == 0
         for page in range(1, self.num_pages):
