@@ -183,7 +183,7 @@ class FakeDevice:
 def fake_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2, prefix_caching=True,
                 **compression) -> LLMEngine:
     """The real engine over a fake device; ``compression``: the scheduler's compression arguments."""
-    settings = dict(compression=False, kv_budget_pages=8, hybrid_admission=True, async_compression=True,
+    settings = dict(compression=False, kv_budget_pages=8, admission="reserved", async_compression=True,
                     compression_min_batch=1, compression_max_wait_steps=0, num_query_rows=None,
                     max_compression_pages=None)
     unknown = set(compression) - set(settings)

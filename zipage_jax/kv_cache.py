@@ -164,7 +164,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     compressed = min(rows, (num_pages - 1) // (M + 1)) if config.compression else 0
     if not config.compression:
         concurrency = config.max_num_seqs
-    elif config.hybrid_admission:
+    elif config.admission != "constrained":
         concurrency = config.max_num_seqs
     else:
         concurrency = rows

@@ -11,11 +11,13 @@ end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: p
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
 request's last ``W`` window queries, which the device records only for holders of one of ``C`` query rows; so a
 request must hold a query row before it computes any of the last ``W`` tokens before its first compression point, and
-keeps it until it ends. With hybrid admission, a request without a query row runs until then and stalls there until a
-query row frees (front-most first); a prefill chunk is cut short at that point instead. Without it (constrained
-admission) a request gets its query row on admission or waits. A query row is granted only while the ``M+1`` steady-state
-pages of all holders fit in the pool (per-request budgets). The prefix cache never serves the pages of that window
-(their queries must be computed).
+keeps it until it ends. With hybrid or reserved admission, a request without a query row runs until then and stalls there until a
+query row frees (front-most first); a prefill chunk is cut short at that point instead. With reserved admission (the
+default) a request is admitted only while the pages it can hold before its first compression fit beside the ``M+1``
+of every holder and those of the requests without a query row, so requests running into their windows do not thrash
+the pool by recompute preemption. With constrained admission a request gets its query row on admission or waits. A
+query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool (per-request budgets).
+The prefix cache never serves the pages of that window (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
 rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
@@ -93,7 +95,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_prefill_seqs = config.max_num_prefill_seqs
         self.window = config.scoring.window
-        self.hybrid_admission = config.hybrid_admission
+        self.hybrid_admission = config.admission != "constrained"  # requests may run without a query row
+        self.reserve_pages = config.admission == "reserved"  # ... only while the pages they can grow to fit
         self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
         self.num_query_rows = plan.num_query_rows
@@ -284,7 +287,19 @@ class Scheduler:
             self._start(request)
             out.swap_ins.append(request)
 
+    def peak_pages_before_compression(self, request: Request) -> int:
+        """Pages the request holds at most before its first compression (or its end, if that comes first)."""
+        end = min(len(request.prompt_token_ids) + request.sampling_params.max_tokens, self.first_due(request))
+        return -(-end // self.page_manager.page_size)
+
+    def _rowless_pages(self) -> int:
+        """Pages the running requests without a query row can come to hold (or hold, if more): once one takes a
+        query row at its window, its ``M+1`` committed pages are no more than that."""
+        return sum(max(len(r.page_ids), self.peak_pages_before_compression(r))
+                   for r in self.running if r.query_row is None)
+
     def _admit(self, out: SchedulerOutput, token_budget: int):
+        rowless = self._rowless_pages() if self.compression and self.reserve_pages else 0
         while (self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
@@ -296,6 +311,11 @@ class Scheduler:
             todo = request.num_tokens - request.num_computed_tokens
             num_new = self._prefill_size(request, todo, token_budget)
             if self.compression:
+                if self.reserve_pages:  # admitted only if it can reach its first compression beside the others
+                    need = self.peak_pages_before_compression(request)
+                    if self.committed_pages + rowless + need > self.page_manager.num_pages - 1:
+                        self._release_pages(request)
+                        break
                 end = request.num_computed_tokens + num_new
                 reachable = (self.end_without_query_row(request, end) if self.hybrid_admission
                              else request.num_computed_tokens)
@@ -304,6 +324,8 @@ class Scheduler:
                     if num_new <= 0:
                         self._release_pages(request)
                         break
+                if request.query_row is None and self.reserve_pages:
+                    rowless += need
             if not self.page_manager.allocate(request, num_new):
                 self._release_query_row(request)
                 self._release_pages(request)
