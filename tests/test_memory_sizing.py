@@ -62,7 +62,7 @@ def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
     assert plan.reserved_swap_bytes == 3 * page + slot
     assert plan.num_query_rows == min(8, (budget - reserved) // (3 * page + slot))
     assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
-    hybrid, constrained = plan, kv_cache.plan_memory(config(hybrid_admission=False), CFG, jnp.float32, 256)
+    hybrid, constrained = plan, kv_cache.plan_memory(config(admission="constrained"), CFG, jnp.float32, 256)
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
@@ -71,7 +71,7 @@ def test_bad_budgets_and_bounds_raise():
         kv_cache.plan_memory(config(max_compression_pages=15), CFG, jnp.float32, 256)  # one request has 16
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         kv_cache.plan_memory(config(kv_cache_memory_bytes=50_000), CFG, jnp.float32, 256)
-    for bad in (dict(num_query_rows=0), dict(num_query_rows=9), dict(hybrid_admission=1),
+    for bad in (dict(num_query_rows=0), dict(num_query_rows=9), dict(admission="greedy"),
                 dict(async_compression="yes"), dict(max_compression_pages=0), dict(metrics_interval_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             config(**bad)

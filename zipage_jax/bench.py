@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax import kv_cache, weights
-from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs
+from zipage_jax.config import ADMISSIONS, EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.engine import LLMEngine, MetricsHistory
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.profiling import kernel_breakdown
@@ -325,7 +325,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     return make_report(results, hlo), engine
 
 
-SCHEDULING_VARIANTS = (("async", "hybrid"), ("sync", "hybrid"), ("async", "constrained"))
+SCHEDULING_VARIANTS = (("async", "reserved"), ("async", "hybrid"), ("sync", "reserved"), ("async", "constrained"))
 
 
 def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, output_len: int,
@@ -369,7 +369,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
                               num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
                               enable_prefix_caching=False, compilation_cache_dir=None, compression=True,
                               kv_budget_pages=kv_budget_pages, num_query_rows=num_query_rows,
-                              async_compression=mode == "async", hybrid_admission=admission == "hybrid",
+                              async_compression=mode == "async", admission=admission,
                               metrics_interval_steps=metrics_interval_steps)
         engine = LLMEngine(config, model_cfg, params)
         recorder = _Recorder(engine.runner)
@@ -513,7 +513,7 @@ def main(argv=None):
                         help="trace the device step and record where its time goes (per kernel and category)")
     decode.add_argument("--json", help="write the report here")
     sched = sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs sync "
-                                              "compression, hybrid vs constrained admission")
+                                              "compression, reserved vs hybrid vs constrained admission")
     sched.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
     sched.add_argument("--requests", type=int, default=256)
     sched.add_argument("--prompt-len", type=int, default=512)
@@ -589,8 +589,9 @@ def main(argv=None):
 
 def _scheduling_main(args):
     variants = [tuple(v.split("-", 1)) for v in args.variants]
-    if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ("hybrid", "constrained") for v in variants):
-        raise ValueError(f"variants: expected MODE-ADMISSION (async|sync)-(hybrid|constrained), got {args.variants}")
+    if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ADMISSIONS for v in variants):
+        raise ValueError(f"variants: expected MODE-ADMISSION with MODE async|sync and ADMISSION one of {ADMISSIONS}, "
+                         f"got {args.variants}")
     print(f"scheduling benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, {args.requests} requests "
           f"x ({args.prompt_len} + {args.output_len}) tokens, budget {args.kv_budget_pages} pages")
 

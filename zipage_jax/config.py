@@ -13,6 +13,7 @@ import typing
 from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,7 @@ class EngineConfig:
     scoring: ScoringConfig = ScoringConfig()  # eviction policy and its knobs; kwargs and flags name them flat
     # Scheduling of compressed requests (docs/ARCHITECTURE.md, Compression: concurrency)
     num_query_rows: int | None = None  # C; None = as many as the memory sizing allows
-    hybrid_admission: bool = True
+    admission: str = "reserved"
     async_compression: bool = True
     max_compression_pages: int | None = None  # None = derived at start-up (see kv_cache.plan_memory)
     compression_min_batch: int = 4
@@ -79,7 +80,7 @@ class EngineConfig:
                                                      and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", "must be a positive int or None")
         check(self.num_gpu_pages_override is None or (is_int(self.num_gpu_pages_override)
-                                                       and self.num_gpu_pages_override >= 2),
+                                                      and self.num_gpu_pages_override >= 2),
               "num_gpu_pages_override", "must be an int >= 2 (page 0 is reserved) or None")
         check(is_int(self.seed), "seed", "must be an int")
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
@@ -120,10 +121,10 @@ class EngineConfig:
               "redundancy_temperature", "must be > 0")
 
         check(self.num_query_rows is None or (is_int(self.num_query_rows)
-                                               and 1 <= self.num_query_rows <= self.max_num_seqs),
+                                              and 1 <= self.num_query_rows <= self.max_num_seqs),
               "num_query_rows", "must be None or an int in [1, max_num_seqs]")
-        for name in ("hybrid_admission", "async_compression"):
-            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(self.admission in ADMISSIONS, "admission", f"must be one of {ADMISSIONS}")
+        check(isinstance(self.async_compression, bool), "async_compression", "must be a bool")
         check(self.max_compression_pages is None or (is_int(self.max_compression_pages)
                                                      and self.max_compression_pages >= 1),
               "max_compression_pages", "must be a positive int or None")
@@ -213,8 +214,10 @@ DESCRIPTIONS = {
     "redundancy_temperature": "softmax temperature of the redundancy penalty",
     "num_query_rows": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
                        "holder fits `M+1` pages",
-    "hybrid_admission": "requests without a query row run until the window of their first compression, then "
-                        "stall until a slot frees; False = only slot holders run",
+    "admission": "`reserved`: requests without a query row run until the window of their first compression, "
+                 "then stall until a query row frees, admitted only while the pages they can grow to by then fit; "
+                 "`hybrid`: the same, admitted greedily (may thrash by recompute preemption); `constrained`: only "
+                 "query-row holders run",
     "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "
                          "next step); False = first, the host waits",
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "

@@ -44,8 +44,8 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode step: the fused QKV matmul, three times a layer). The pool sizing already reserves every program's
 # scratch, so the pass can only cost time.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-# From this many rows on, cuBLAS beats XLA's Triton GEMMs on the H200 (decode step, Qwen3-8B shapes: 7.50 vs
-# 7.95 ms at 64 rows, 17.9 vs 18.2 at 256; Triton wins at 1 row, 5.2 vs 6.4 ms; BENCHMARKS.md).
+# From this many rows on, cuBLAS beats XLA's Triton GEMMs in the decode step; below it Triton wins (measured on
+# the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
 CUBLAS_MIN_ROWS = 64
 
 

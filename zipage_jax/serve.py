@@ -178,14 +178,15 @@ class _Service:
             await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not results.done():
+            gone = not results.done()
+            if gone:  # cancel() only schedules the cancellation: the task is not done yet, so never read it
                 results.cancel()
                 self.async_engine.record_client_abort()
             group.close()
+        if gone:
+            return None
         try:
             return results.result()
-        except asyncio.CancelledError:
-            return None
         except EngineStepError as exc:
             raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
 

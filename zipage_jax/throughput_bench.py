@@ -39,7 +39,7 @@ import numpy as np
 from zipage_jax.sampling import SamplingParams
 
 WORKLOADS = ("reasoning", "mixed", "prefix")
-MODES = ("full", "compressed")
+MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
 
@@ -271,6 +271,9 @@ def ratios(results: list, peer: dict | None) -> dict:
                                                       / full["tokens_per_s_second_half"])
         out["compressed / full (incl. start-up)"] = (comp["tokens_per_s_incl_startup"]
                                                      / full["tokens_per_s_incl_startup"])
+    for other in ("compressed-hybrid", "compressed-constrained"):
+        if "compressed" in by and other in by:
+            out[f"compressed / {other} (steady)"] = by["compressed"]["tokens_per_s"] / by[other]["tokens_per_s"]
     if peer and peer.get("tokens_per_s") and "full" in by:
         out["full / hf peer (steady)"] = by["full"]["tokens_per_s"] / peer["tokens_per_s"]
     return out
@@ -326,7 +329,8 @@ def add_arguments(parser):
                              "of the code path and the report)")
     parser.add_argument("--model", help="HF checkpoint directory (default: random weights of --model-shape)")
     parser.add_argument("--model-shape", default="qwen3-8b", help="random weights of these shapes (bench.MODEL_SHAPES)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]),
+                        help="compressed-hybrid / compressed-constrained: compressed mode under another admission")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--kv-budget-pages", type=int, default=8, help="M: the budget is M * page_size tokens")
@@ -412,7 +416,10 @@ def main(args) -> dict:
 
     def make_engine(mode):
         """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
-        extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages) if mode == "compressed" else {}
+        extra = {}
+        if mode.startswith("compressed"):
+            extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages,
+                         admission=mode.partition("-")[2] or "reserved")
         params = None
         if not args.model:
             params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)
