@@ -14,8 +14,8 @@ source rows (its pool rows precomputed from the kept index and the page table; t
 rows are read before their copies are issued, so the reads overlap) into plain SMEM, all on one barrier.
 A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that is
 one run inside one source page goes as one copy, else each half is tried the same way, down to single rows.
-With 11 % of slots evicted at random that issues about a third of the copies of row by row; row by row the
-kernel is bound by copy issue (2.9 TB/s), with runs it moves 3.5 TB/s (BENCHMARKS.md). Every span makes up
+With 11 % of slots evicted at random that issues about a third of the copies of row by row, which is bound by
+copy issue (BENCHMARKS.md, "Compression step"). Every span makes up
 its skipped copies' barrier arrivals; the block then leaves as one TMA store (a block lies inside one
 destination page). ``stages`` staging buffers: the next ``stages - 1`` blocks' gathers are in flight while
 the current block is stored.
@@ -46,14 +46,13 @@ SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA dynamic shared memory
 
 
 def default_block_rows(page_size):
-    """16-row blocks (the page size if smaller), four in flight: 32 KiB of staging at D = 128 bf16 (on an H200
-    at Qwen3-8B shapes, B=64: 0.371 ms a layer, against 0.387 for 32 rows two in flight and 0.48 for 64 rows)."""
+    """16-row blocks (the page size if smaller), four in flight: 32 KiB of staging at D = 128 bf16, the fastest
+    of the shapes measured (BENCHMARKS.md, "Compression step")."""
     return min(page_size, 16)
 
 
-DEFAULT_MAX_RUN = 4  # longest run moved by one TMA copy (1: row by row); on an H200 at Qwen3-8B shapes, B=64:
-# 0.306 ms a layer, against 0.369 row by row and 0.308-0.311 for runs of 8 (mean kept run 9 to 25 slots)
-DEFAULT_STAGES = 4  # blocks whose gathers are in flight; six measured the same as four, and 32 rows x 4 slower
+DEFAULT_MAX_RUN = 4  # longest run moved by one TMA copy (1: row by row); longer runs measured no faster
+DEFAULT_STAGES = 4  # blocks whose gathers are in flight; more measured no faster (BENCHMARKS.md, "Compression step")
 
 
 def smem_bytes(block_rows, head_dim, itemsize=2, stages=DEFAULT_STAGES):
@@ -182,9 +181,8 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     in ``[0, P * S)`` (traced, so not checked); ``dst_tables [B, M]``, ``src_tables [B, P]``, ``valid [B]``, with
     the page guarantees of the module docstring. ``block_rows`` (default ``default_block_rows(S)``) must
     divide S; ``stages`` (>= 2) blocks are staged at once; ``row_group`` kept rows have their indices read
-    together before their copies are issued (8 on an H200: 0.58 ms a layer at Qwen3-8B shapes, B=64, 64-row
-    blocks, against 0.77 one at a time); ``max_run`` (a power of two) bounds the runs of consecutive source
-    rows moved by one copy (runs span at most ``gcd(block_rows, row_group)`` rows).
+    together before their copies are issued, so the reads overlap; ``max_run`` (a power of two) bounds the runs
+    of consecutive source rows moved by one copy (runs span at most ``gcd(block_rows, row_group)`` rows).
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU.
     """
     page_size = k_pool.shape[3]

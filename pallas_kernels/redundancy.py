@@ -144,7 +144,7 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
         norms()
         plgpu.commit_smem()
         # A loop, not unrolled: unrolled, the row tiles used all 255 registers and spilled; looped nothing spills
-        # and a layer takes 0.24 against 0.28 ms at B=64 (BENCHMARKS.md).
+        # and the kernel is faster (BENCHMARKS.md).
         pl.loop(0, num_tiles)(sums_and_matches)
         plgpu.commit_smem()
         out = pl.ds(block * slots, slots)

@@ -62,8 +62,9 @@ def save_from_torch(shape, out):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**arch(shape), eos_token_id=2)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: Qwen3-32B in f32 would not fit an 80 GB card
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(config)
     model.save_pretrained(out)
 
 

@@ -2,7 +2,7 @@
 
 ``FakeDevice`` implements ``runner.Runner``: it executes each scheduler output in the engine's dispatch order
 (swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against a pool whose
-slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each slot holder's
+slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each query-row holder's
 computed tokens, and a token buffer; a decode whose input token is still pending reads it from that buffer, as
 the device does. "Sampling" hashes the slots read through the page table, so any lost, misplaced or overwritten
 KV changes the output. A compression keeps, per request, the ``M * S`` live slots with the highest hash of
@@ -149,7 +149,7 @@ class FakeDevice:
         assert all(r.status == RequestStatus.RUNNING and r in s.running for r in scheduled)
         assert not any(r in s.running for r in out.preempted)
         compressing = {id(c.request) for c in out.compressions}
-        assert all(c.request.query_row is not None for c in out.compressions), "slot-less compression"
+        assert all(c.request.query_row is not None for c in out.compressions), "compression without a query row"
         if s.async_compression:
             assert not compressing & {id(r) for r in scheduled}, "decoded while its compression is pending"
         assert not {id(r) for r in out.stalled} & ({id(r) for r in scheduled} | compressing)
@@ -157,7 +157,7 @@ class FakeDevice:
             assert sum(len(c.src_pages) for c in out.compressions) <= s.max_compression_pages
         for r in out.preempted:  # compressed ones are swapped, the others recomputed
             assert r.status == (RequestStatus.SWAPPED if r.compressed else RequestStatus.WAITING)
-        for r in scheduled:  # a slot-less request never computes into the window of its first compression
+        for r in scheduled:  # a request without a query row never computes into the window of its first compression
             if s.compression and r.query_row is None:
                 assert not r.compressed and r.num_computed_tokens <= s.first_due(r) - WINDOW
 
@@ -173,7 +173,7 @@ class FakeDevice:
         assert s.committed_pages == sum(s.budget(r) + 1 for r in holders) <= self.bm.num_pages - 1
         for r in s.running:
             if s.compression and not s.hybrid_admission:
-                assert r.query_row is not None, "constrained admission runs only slot holders"
+                assert r.query_row is not None, "constrained admission runs only query-row holders"
             if r.compressed:
                 assert r.query_row is not None and len(r.page_ids) <= s.budget(r) + 1
                 assert all(self.bm.ref_count[p] == 1 for p in r.page_ids), "a compressed request shares a page"
@@ -183,7 +183,7 @@ class FakeDevice:
 def fake_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2, prefix_caching=True,
                 **compression) -> LLMEngine:
     """The real engine over a fake device; ``compression``: the scheduler's compression arguments."""
-    settings = dict(compression=False, kv_budget_pages=8, hybrid_admission=True, async_compression=True,
+    settings = dict(compression=False, kv_budget_pages=8, admission="reserved", async_compression=True,
                     compression_min_batch=1, compression_max_wait_steps=0, num_query_rows=None,
                     max_compression_pages=None)
     unknown = set(compression) - set(settings)

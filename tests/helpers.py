@@ -2,6 +2,9 @@
 
 import functools
 
+import jax.numpy as jnp
+import numpy as np
+
 from zipage_jax.sampling import SamplingParams
 from zipage_jax.weights import load_hf_weights
 
@@ -30,3 +33,32 @@ def mixed_workload(rng, vocab, count, max_len):
                                          seed=i, n=1 + i % 2, min_tokens=2, stop_token_ids=[7], logprobs=True,
                                          max_tokens=int(max_tokens)))
     return prompts, params
+
+
+def assert_close(out, ref, seed):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), f"seed {seed}: non-finite output (unwritten rows?)"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
+
+
+def shuffled_page_tables(rng, needed, pages_per_row, num_pages):
+    """``[B, pages_per_row]`` tables giving row b ``needed[b]`` distinct shuffled pages of 1..num_pages-1 (the
+    rest: null page 0)."""
+    ids = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(needed), pages_per_row), np.int32)
+    start = 0
+    for row, n in enumerate(needed):
+        tables[row, :n] = ids[start:start + n]
+        start += n
+    return jnp.asarray(tables)
+
+
+def random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim, num_kv_heads=2, layers=2):
+    """A bf16 pool with the requests' live slots on distinct shuffled pages (unused entries: null page 0)."""
+    needed = [-(-n // page_size) for n in num_live]
+    num_pages = sum(needed) + 3
+    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages, num_kv_heads, page_size, head_dim)), jnp.bfloat16)
+    tables = shuffled_page_tables(rng, needed, pages_per_row, num_pages)
+    queries = rng.standard_normal((len(num_live), window, num_kv_heads * group, head_dim))
+    return k_pool, tables, jnp.asarray(num_live, jnp.int32), jnp.asarray(queries, jnp.bfloat16)

@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compaction import compact_slots
 from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
-from test_scoring_kernel import random_problem as scoring_problem  # tests/ is on sys.path under pytest
+from helpers import random_problem as scoring_problem
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")

@@ -139,8 +139,9 @@ def test_per_request_budget_and_invalid_knobs():
 
 
 def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
-    """Under memory pressure: the small-budget requests take both query rows first, the large-budget front
-    request (still without one) runs out of pages and the compressed tail is swapped out and back. Every
+    """Under memory pressure that greedy (hybrid) admission lets in: the small-budget requests take both query
+    rows first, the large-budget front request (still without one) runs out of pages and the compressed tail is
+    swapped out and back. Every
     request decodes what it decodes alone with the same budget, in asynchronous and synchronous mode alike."""
     rng = seeded_rng()
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(2, 6, size=3)]
@@ -148,7 +149,7 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
     alone_llm = make_llm(compression=True, kv_budget_pages=1, window=4)
     want = [alone_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     tight = dict(compression=True, kv_budget_pages=1, window=4, num_gpu_pages_override=8, max_model_len=112,
-                 max_num_seqs=3, num_query_rows=2, metrics_interval_steps=1)
+                 max_num_seqs=3, num_query_rows=2, metrics_interval_steps=1, admission="hybrid")
     for async_compression in (True, False):
         llm = make_llm(async_compression=async_compression, **tight)
         outs = llm.generate(prompts, params, use_tqdm=False)

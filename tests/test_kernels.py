@@ -15,6 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import query_tiles, ragged_prefill
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
+from helpers import assert_close, shuffled_page_tables
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
@@ -28,21 +29,7 @@ def random_pool(rng, num_layers, num_pages, num_kv_heads, page_size, head_dim):
 
 def random_page_tables(rng, kv_lens, pages_per_row, page_size, num_pages):
     """Distinct random pages per live slot; unused entries point at the null page 0."""
-    needed = [-(-int(n) // page_size) for n in kv_lens]
-    ids = rng.permutation(np.arange(1, num_pages))[: sum(needed)]
-    tables = np.zeros((len(kv_lens), pages_per_row), np.int32)
-    start = 0
-    for row, n in enumerate(needed):
-        tables[row, :n] = ids[start:start + n]
-        start += n
-    return jnp.asarray(tables)
-
-
-def assert_close(out, ref, seed):
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out).all(), f"seed {seed}: non-finite output (unwritten rows?)"
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
-    assert err < 1e-2, f"seed {seed}: relative error {err}"
+    return shuffled_page_tables(rng, [-(-int(n) // page_size) for n in kv_lens], pages_per_row, num_pages)
 
 
 DECODE_CASES = [

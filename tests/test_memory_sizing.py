@@ -25,21 +25,25 @@ def config(**kwargs):
 
 
 def shapes_bytes(m, c, itemsize):
-    """Independent arithmetic from the array shapes: one page of K, V (+ f32 score) and one query-cache row."""
-    page = np.prod([m.num_layers, m.num_kv_heads, c.page_size, m.head_dim]) * itemsize * 2
-    page += np.prod([m.num_layers, m.num_kv_heads, c.page_size]) * 4 if c.scoring.global_score else 0
-    slot = np.prod([m.num_layers, c.scoring.window, m.num_heads, m.head_dim]) * itemsize
+    """Independent arithmetic from the array shapes: one device's share of one page of K, V (+ f32 score) and of
+    one query-cache row (its KV heads and their query heads)."""
+    kv_heads, q_heads = m.num_kv_heads // c.tensor_parallel_size, m.num_heads // c.tensor_parallel_size
+    page = np.prod([m.num_layers, kv_heads, c.page_size, m.head_dim]) * itemsize * 2
+    page += np.prod([m.num_layers, kv_heads, c.page_size]) * 4 if c.scoring.global_score else 0
+    slot = np.prod([m.num_layers, c.scoring.window, q_heads, m.head_dim]) * itemsize
     return int(page), int(slot)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_rows=3)])
+@pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_rows=3),
+                                    dict(tensor_parallel_size=2)])
 def test_pool_and_query_rows_from_a_byte_budget(kwargs):
+    """The budget is per device: with two devices each page and query row costs a device half as much."""
     rng = seeded_rng()
     c = config(kv_cache_memory_bytes=int(rng.integers(320_000, 700_000)), **kwargs)
     plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
     page, slot = shapes_bytes(CFG, c, 4)
     slots = c.num_query_rows or min(c.max_num_seqs, c.kv_cache_memory_bytes // (3 * page + slot))
-    pages = (c.kv_cache_memory_bytes - (slots + 1) * slot) // page
+    pages = min((c.kv_cache_memory_bytes - (slots + 1) * slot) // page, c.max_num_seqs * 16 + 1)
     assert (plan.page_bytes, plan.query_row_bytes) == (page, slot)
     assert (plan.num_query_rows, plan.num_pages) == (slots, pages)
     assert plan.pool_bytes + plan.query_cache_bytes <= c.kv_cache_memory_bytes
@@ -58,7 +62,7 @@ def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
     assert plan.reserved_swap_bytes == 3 * page + slot
     assert plan.num_query_rows == min(8, (budget - reserved) // (3 * page + slot))
     assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
-    hybrid, constrained = plan, kv_cache.plan_memory(config(hybrid_admission=False), CFG, jnp.float32, 256)
+    hybrid, constrained = plan, kv_cache.plan_memory(config(admission="constrained"), CFG, jnp.float32, 256)
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
@@ -67,7 +71,7 @@ def test_bad_budgets_and_bounds_raise():
         kv_cache.plan_memory(config(max_compression_pages=15), CFG, jnp.float32, 256)  # one request has 16
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         kv_cache.plan_memory(config(kv_cache_memory_bytes=50_000), CFG, jnp.float32, 256)
-    for bad in (dict(num_query_rows=0), dict(num_query_rows=9), dict(hybrid_admission=1),
+    for bad in (dict(num_query_rows=0), dict(num_query_rows=9), dict(admission="greedy"),
                 dict(async_compression="yes"), dict(max_compression_pages=0), dict(metrics_interval_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             config(**bad)
@@ -100,7 +104,7 @@ def test_scratch_estimates_bound_what_xla_allocates():
 def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     """The Mosaic kernels compact in place and score from the pool pages: their compression reserve drops the
     gathered and kept K/V (H200, Qwen3-8B shapes: 17.8 MB measured, BENCHMARKS.md), leaving the pool more
-    pages; "full" redundancy still gathers keys. Tensor parallelism takes the jnp path."""
+    pages; "full" redundancy still gathers keys. Tensor parallelism keeps the kernels (run per shard)."""
     from zipage_jax.attention import resolve_backend, sharded
     from zipage_jax.bench import MODEL_SHAPES
 
@@ -114,4 +118,4 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     plans = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, b) for b in (resolve_backend("reference"), mosaic)]
     assert 0 < plans[1].compression_scratch_bytes < plans[0].compression_scratch_bytes
     assert mosaic.fused_compression and not resolve_backend("reference").fused_compression
-    assert not sharded(mosaic, mesh=None).fused_compression
+    assert sharded(mosaic, mesh=None).fused_compression

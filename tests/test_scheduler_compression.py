@@ -9,16 +9,17 @@ from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
 from fake_device import PAGE, VOCAB, fake_engine, run
+from zipage_jax.config import ADMISSIONS
 from zipage_jax.request import Request, RequestStatus
 from zipage_jax.sampling import SamplingParams
 
 
 def compressing_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2,
-                       prefix_caching=True, budget=2, num_query_rows=2, hybrid=True, async_compression=True,
+                       prefix_caching=True, budget=2, num_query_rows=2, admission="reserved", async_compression=True,
                        max_compression_pages=None, compression_batching=(1, 0)):
     return fake_engine(num_pages, max_num_seqs, max_num_batched_tokens, max_num_prefill_seqs, prefix_caching,
                        compression=True, kv_budget_pages=budget, num_query_rows=num_query_rows,
-                       hybrid_admission=hybrid, async_compression=async_compression,
+                       admission=admission, async_compression=async_compression,
                        max_compression_pages=max_compression_pages, compression_min_batch=compression_batching[0],
                        compression_max_wait_steps=compression_batching[1])
 
@@ -38,17 +39,17 @@ request_st = st.tuples(prompt_st, st.integers(1, 40), st.integers(0, 8), st.samp
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(request_st, min_size=1, max_size=8), extra_pages=st.integers(0, 3),
        max_num_seqs=st.integers(1, 5), num_query_rows=st.integers(1, 3), token_budget=st.integers(2, 20),
-       hybrid=st.booleans(), async_compression=st.booleans(), prefix_caching=st.booleans(),
+       admission=st.sampled_from(ADMISSIONS), async_compression=st.booleans(), prefix_caching=st.booleans(),
        max_compression_pages=st.sampled_from([None, 8, 12]),
        aborts=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 60)), max_size=2))
 def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_seqs, num_query_rows, token_budget,
-                                                hybrid, async_compression, prefix_caching, max_compression_pages,
+                                                admission, async_compression, prefix_caching, max_compression_pages,
                                                 aborts):
     # the pages one request alone needs at its peak: its first compression point (Scheduler.first_due)
     peak = max(max(-(-len(head + tail) // PAGE), (2 if b is None else b) + 1) for (head, tail), _, _, b in requests)
     num_pages = peak + 1 + extra_pages
     engine = compressing_engine(num_pages, max_num_seqs, token_budget, 2, prefix_caching, 2,
-                                min(num_query_rows, max_num_seqs), hybrid, async_compression, max_compression_pages)
+                                min(num_query_rows, max_num_seqs), admission, async_compression, max_compression_pages)
     reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=b), i)
             for i, ((head, tail), m, _, b) in enumerate(requests)]
     arrivals = {r.request_id: a for r, (_, _, a, _) in zip(reqs, requests)}
@@ -71,12 +72,12 @@ def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_s
        token_budget=st.integers(2, 20), async_compression=st.booleans(), prefix_caching=st.booleans())
 def test_random_swap_prone_workload_is_lossless(prompts, max_tokens, extra_pages, token_budget, async_compression,
                                                 prefix_caching):
-    """The shape that swaps: the front request has the largest budget and no slot yet when it needs a page,
-    the requests behind it took the slots first and are compressed."""
+    """The shape that swaps under hybrid admission: the front request has the largest budget and no query row yet when it needs a page,
+    the requests behind it took the query rows first and are compressed."""
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=3 if i == 0 else 1), i)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    engine = compressing_engine(5 + extra_pages, len(reqs), token_budget, 2, prefix_caching, 1, len(reqs) - 1, True,
-                                async_compression)
+    engine = compressing_engine(5 + extra_pages, len(reqs), token_budget, 2, prefix_caching, 1, len(reqs) - 1,
+                                "hybrid", async_compression)
     run(engine, reqs)
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens,
@@ -89,11 +90,11 @@ def long_requests(rng, n, max_tokens=40):
 
 
 def test_memory_pressure_swaps_compressed_requests_losslessly():
-    """Slots go to whoever reaches its window first: the small-budget requests compress early, and when the
+    """Query rows go to whoever reaches its window first: the small-budget requests compress early, and when the
     large-budget front request needs a page, the compressed tail is swapped out (and back in later)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    engine = compressing_engine(num_pages=8, max_num_seqs=3, num_query_rows=2, budget=1)
+    engine = compressing_engine(num_pages=8, max_num_seqs=3, num_query_rows=2, budget=1, admission="hybrid")
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=2).tolist(),
                     SamplingParams(temperature=0.0, max_tokens=30, kv_budget_pages=b), i)
             for i, b in enumerate([3, 1, 1])]
@@ -105,11 +106,11 @@ def test_memory_pressure_swaps_compressed_requests_losslessly():
         assert r.output_token_ids == alone(r.prompt_token_ids, 30, r.sampling_params.kv_budget_pages), seed
 
 
-def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
+def test_hybrid_admission_runs_more_than_the_query_rows_and_stalls_at_the_window():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hybrid = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2)
-    constrained = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2, hybrid=False)
+    constrained = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2, admission="constrained")
     for engine in (hybrid, constrained):
         reqs = long_requests(rng, 4, max_tokens=24)
         stats = engine.runner.stats
@@ -122,6 +123,27 @@ def test_hybrid_admission_runs_more_than_the_slots_and_stalls_at_the_window():
             assert r.output_token_ids == alone(r.prompt_token_ids, 24, None), seed
     assert constrained.runner.stats["peak_running"] == 1 and hybrid.runner.stats["peak_running"] > 1, seed
     assert hybrid.runner.stats["stalls"] > 0, seed
+
+
+def test_reserved_admission_does_not_thrash_where_hybrid_does():
+    """Eight requests whose pages up to their first window (3 each) exceed a 12-page pool: hybrid admission lets
+    them all run into their windows and preempts by recompute; reserved admission runs only as many without a
+    query row as fit beside the holders, so nobody is preempted, yet more run than there are query rows."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=2).tolist() for _ in range(8)]
+    preemptions = {}
+    for admission in ("hybrid", "reserved"):
+        engine = compressing_engine(num_pages=13, max_num_seqs=8, num_query_rows=3, budget=2, max_num_prefill_seqs=8,
+                                    admission=admission)
+        reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=30), i) for i, p in enumerate(prompts)]
+        peak = []
+        run(engine, reqs, on_step=lambda e: peak.append(len(e.scheduler.running)))
+        preemptions[admission] = engine.scheduler.num_preemptions
+        assert max(peak) > 3, (admission, seed)
+        for r in reqs:
+            assert r.output_token_ids == alone(r.prompt_token_ids, 30, None), (admission, seed)
+    assert preemptions["hybrid"] > 0 and preemptions["reserved"] == 0, (preemptions, seed)
 
 
 def test_compression_batch_is_bounded_by_pages():

@@ -27,31 +27,10 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine import LLMEngine
 from zipage_jax.request import Request
 from zipage_jax.sampling import SamplingParams
+from helpers import random_problem
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
-
-
-def shuffled_page_tables(rng, needed, pages_per_row, num_pages):
-    """``[B, pages_per_row]`` tables giving row b ``needed[b]`` distinct shuffled pages of 1..num_pages-1 (the
-    rest: null page 0)."""
-    ids = rng.permutation(np.arange(1, num_pages))
-    tables = np.zeros((len(needed), pages_per_row), np.int32)
-    start = 0
-    for row, n in enumerate(needed):
-        tables[row, :n] = ids[start:start + n]
-        start += n
-    return jnp.asarray(tables)
-
-
-def random_problem(rng, num_live, pages_per_row, group, window, page_size, head_dim, num_kv_heads=2, layers=2):
-    """A bf16 pool with the requests' live slots on distinct shuffled pages (unused entries: null page 0)."""
-    needed = [-(-n // page_size) for n in num_live]
-    num_pages = sum(needed) + 3
-    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages, num_kv_heads, page_size, head_dim)), jnp.bfloat16)
-    tables = shuffled_page_tables(rng, needed, pages_per_row, num_pages)
-    queries = rng.standard_normal((len(num_live), window, num_kv_heads * group, head_dim))
-    return k_pool, tables, jnp.asarray(num_live, jnp.int32), jnp.asarray(queries, jnp.bfloat16)
 
 
 SCORE_CASES = [
@@ -126,9 +105,9 @@ def test_backends_declare_their_compression_kernels():
     mosaic = resolve_backend("mosaic")
     assert mosaic.window_scores is window_scores and mosaic.compact_slots is compact_slots
     assert mosaic is resolve_backend("mosaic")  # resolved once: one jit cache entry per backend
-    # tensor parallel: attention per shard; compression runs the jnp references, partitioned by XLA
+    # tensor parallel: attention per shard; the compression kernels stay (the runner calls them per shard)
     tp = sharded(mosaic, mesh=None)
-    assert tp.window_scores is paged_window_attention and tp.decode is not mosaic.decode and tp.name == "mosaic"
+    assert tp.window_scores is window_scores and tp.decode is not mosaic.decode and tp.name == "mosaic"
 
 
 def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):

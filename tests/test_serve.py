@@ -171,6 +171,14 @@ def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
     assert out.returncode == 0 and "--kv-cache-memory-bytes" in out.stdout
 
 
+def test_cli_refuses_several_processes(capsys):
+    from zipage_jax.serve import main
+
+    with pytest.raises(SystemExit):
+        main(["--coordinator-address", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "0"])
+    assert "--num-processes" in capsys.readouterr().err
+
+
 # -- generation ---------------------------------------------------------------------------------------------------
 PROMPTS = ["The quick brown fox", "naïve café — ünïcødé ✓", "x"]
 

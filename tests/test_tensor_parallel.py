@@ -1,29 +1,114 @@
-"""Tensor parallelism over two simulated CPU devices gives the same tokens as one device."""
+"""Tensor parallelism over simulated CPU devices gives the same tokens as one device, and its compiled steps hold
+only the collectives the sharding calls for."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from zipage_jax import LLM, SamplingParams
-from seeds import seeded_rng
+from zipage_jax.bench import collectives
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.tasks.export import save_hf_checkpoint
+from zipage_jax.weights import init_random_params
+from seeds import fresh_seed, seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per shard
+FOUR_KV = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      qk_norm=True, max_position_embeddings=512)
+OPTIONS = dict(page_size=16, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+               compilation_cache_dir=None, kv_budget_pages=2)
+
+
+def greedy_run(model, prompts, tensor_parallel_size, compression):
+    llm = LLM(model, tensor_parallel_size=tensor_parallel_size, compression=compression, **OPTIONS)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    return llm.engine, [o.outputs[0].token_ids for o in outputs]
+
+
+def random_prompts(vocab):
+    rng = seeded_rng()
+    return [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(5, 30, size=3)]
 
 
 @pytest.mark.parametrize("compression", [False, True])
 def test_two_way_tensor_parallel_matches_single_device(compression):
     assert len(jax.devices()) >= 2
-    rng = seeded_rng()
-    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 30, size=3)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    opts = dict(page_size=16, max_num_seqs=4, max_model_len=128, compilation_cache_dir=None,
-                compression=compression, kv_budget_pages=2)
-    single = LLM(MODEL, **opts).generate(prompts, params, use_tqdm=False)
-    sharded_llm = LLM(MODEL, tensor_parallel_size=2, **opts)
-    assert len(sharded_llm.engine.runner.state.k_pool.sharding.device_set) == 2
-    sharded = sharded_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
+    prompts = random_prompts(250)
+    _, single = greedy_run(MODEL, prompts, 1, compression)
+    engine, sharded = greedy_run(MODEL, prompts, 2, compression)
+    assert len(engine.runner.state.k_pool.sharding.device_set) == 2
+    assert sharded == single
+
+
+@pytest.fixture(scope="module")
+def four_kv_heads(tmp_path_factory):
+    """A random float32 checkpoint with four KV heads: one per shard of a four-way mesh."""
+    path = tmp_path_factory.mktemp("four_kv_heads")
+    c = FOUR_KV
+    arch = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False)
+    params = init_random_params(c, jax.random.key(fresh_seed()), jnp.float32, std=0.1)
+    save_hf_checkpoint(params, arch, path, dtype="float32")
+    return str(path)
+
+
+@pytest.mark.parametrize("compression", [False, True])
+def test_four_way_tensor_parallel_matches_single_device_with_only_the_expected_collectives(four_kv_heads,
+                                                                                          compression):
+    """Four shards give one device's greedy tokens. Their compiled programs hold one all-reduce after attention
+    (``o_proj``) and one after the MLP (``down_proj``) per layer, nothing else: embedding, LM head and sampling
+    are replicated, attention and the KV pool stay on their heads; a compression (per shard) and a swap hold
+    none."""
+    assert len(jax.devices()) >= 4
+    prompts = random_prompts(FOUR_KV.vocab_size)
+    _, single = greedy_run(four_kv_heads, prompts, 1, compression)
+    engine, sharded = greedy_run(four_kv_heads, prompts, 4, compression)
+    assert len(engine.runner.state.k_pool.sharding.device_set) == 4
+    assert sharded == single
+    assert (engine.totals["compressions"] > 0) == compression
+    programs = engine.runner.programs
+    kinds = {key[0] for key in programs.keys()}
+    assert kinds == ({"step", "compress"} if compression else {"step"})
+    for key in programs.keys():
+        found = collectives(programs.compiled(key).as_text())
+        assert found == ({"all-reduce": 2 * FOUR_KV.num_layers} if key[0] == "step" else {}), key
 
 
 def test_tensor_parallel_size_must_divide_kv_heads():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(MODEL, tensor_parallel_size=3, compilation_cache_dir=None)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(coordinator_address="nohost"), "coordinator_address"),
+    (dict(coordinator_address="10.0.0.1:0", num_processes=2, process_id=0), "coordinator_address"),
+    (dict(coordinator_address="10.0.0.1:1234", process_id=0), "num_processes"),
+    (dict(num_processes=2), "num_processes"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=0, process_id=0), "num_processes"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=2), "process_id"),
+    (dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
+    (dict(process_id=0), "process_id"),
+])
+def test_multi_host_fields_are_validated(fields, named):
+    from zipage_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{named}:"):
+        EngineConfig.from_kwargs(MODEL, **fields)
+
+
+def test_multi_host_engine_joins_through_jax_distributed_once_before_any_device_query(monkeypatch):
+    """``jax.distributed.initialize`` (mocked: one real process) gets the config's fields, before the engine
+    asks for a device, and once per process however many engines it builds."""
+    events, joined = [], []
+    devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *args: events.append("devices") or devices(*args))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: events.append(kw) or joined.append(True))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(joined))
+    fields = dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+    LLM(MODEL, tensor_parallel_size=2, **fields, **OPTIONS)
+    LLM(MODEL, **fields, **OPTIONS)
+    assert events[0] == fields and "devices" in events
+    assert [e for e in events if e != "devices"] == [fields]

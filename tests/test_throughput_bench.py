@@ -1,6 +1,7 @@
 """`python -m zipage_jax.bench throughput --small`: the CI smoke of the throughput campaign (tiny model, CPU), its
 report format, and the named workloads' shapes."""
 
+import argparse
 import json
 
 import numpy as np
@@ -82,3 +83,27 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
     result = throughput_bench.run_peer(args, w, None, str(tmp_path))
     assert result["name"] == "hf" and result["requests"] == 2
     assert "tokens_per_s" not in result and result["error"]
+
+
+def test_admission_modes_run_compressed_under_that_admission_and_are_compared(monkeypatch):
+    built = []
+
+    class Engine:  # records the config each mode builds; run_mode is stubbed below
+        def __init__(self, config, params=None):
+            built.append(config)
+
+    def run_mode(mode, make_engine, *args, **kwargs):
+        make_engine(mode)
+        return dict(mode=mode, tokens_per_s={"compressed": 300.0, "compressed-hybrid": 200.0}.get(mode, 100.0))
+
+    monkeypatch.setattr(throughput_bench, "run_mode", run_mode)
+    monkeypatch.setattr("zipage_jax.engine.LLMEngine", Engine)
+    monkeypatch.setattr(throughput_bench, "format_report", lambda report: "")
+    parser = argparse.ArgumentParser()
+    throughput_bench.add_arguments(parser)
+    args = parser.parse_args(["--small", "--modes", "compressed", "compressed-hybrid", "compressed-constrained"])
+    report = throughput_bench.main(args)
+    assert [(c.compression, c.admission) for c in built] == [(True, "reserved"), (True, "hybrid"),
+                                                             (True, "constrained")]
+    assert report["ratios"]["compressed / compressed-hybrid (steady)"] == 1.5
+    assert report["ratios"]["compressed / compressed-constrained (steady)"] == 3.0

@@ -19,7 +19,7 @@ from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.triton_sizing import chunk_tiles, decode_splits, group_rows
 from zipage_jax import attention
 from zipage_jax.attention import BACKENDS, REFERENCE, default_backend_name, resolve_backend
-from test_kernels import assert_close  # the kernels' shared bf16 check (tests/ is on sys.path under pytest)
+from helpers import assert_close
 from seeds import fresh_seed, seeded_rng
 
 needs_triton_gpu = pytest.mark.skipif(

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 from zipage_jax.models import ModelConfig, forward_dense
 from zipage_jax.models.params import param_shapes
-from zipage_jax.weights import init_random_params, load_hf_weights, restore_params, save_params
+from zipage_jax.sharding import make_mesh, shard_params
+from zipage_jax.weights import init_random_params, load_hf_weights, load_sharded, restore_params, save_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -60,6 +61,30 @@ def test_safetensors_maps_hf_names_to_stacked_in_out_layout(name):
         for part in field.split("."):
             obj = getattr(obj, part)
         assert (obj is None and shape is None) or obj.shape == shape, field
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3_untied"])
+def test_load_sharded_equals_sharding_the_loaded_params(name):
+    """Straight into the shards of a two-way mesh: the same arrays with the same shardings as loading whole and
+    then sharding, and each device holds only its own heads and hidden columns, read from the checkpoint."""
+    path = FIXTURES / name
+    cfg = ModelConfig.from_pretrained(path)
+    mesh = make_mesh(2, cfg)
+    got = load_sharded(path, cfg, jnp.bfloat16, mesh)
+    want = shard_params(load_hf_weights(path, cfg, jnp.bfloat16), mesh)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert x.dtype == y.dtype and x.sharding == y.sharding
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    hf = load_file(path / "model.safetensors")
+    pre = "model.layers.1."
+    for s, shard in enumerate(sorted(got.layers[1].qkv_proj.addressable_shards, key=lambda a: a.device.id)):
+        heads = [hf[pre + f"self_attn.{p}_proj.weight"].T for p in "qkv"]
+        mine = np.concatenate([np.split(w, 2, axis=1)[s] for w in heads], axis=1)
+        np.testing.assert_array_equal(np.asarray(shard.data, np.float32),
+                                      mine.astype(ml_dtypes.bfloat16).astype(np.float32))
+    for shard in got.layers[0].down_proj.addressable_shards:
+        assert shard.data.shape == (cfg.intermediate_size // 2, cfg.hidden_size)
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
@@ -123,7 +148,13 @@ def test_random_init_is_deterministic_by_key():
     assert np.all(np.isfinite(logits))
 
 
-def test_missing_tensor_extra_tensor_and_bad_path_raise(tmp_path):
+LOADERS = {"whole": load_hf_weights,
+           "sharded": lambda path, cfg, dtype: load_sharded(path, cfg, dtype, make_mesh(2, cfg))}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_missing_tensor_extra_tensor_and_bad_path_raise(tmp_path, loader):
+    load = LOADERS[loader]
     src = FIXTURES / "qwen2"
     cfg = ModelConfig.from_pretrained(src)
     tensors = load_file(src / "model.safetensors")
@@ -131,19 +162,21 @@ def test_missing_tensor_extra_tensor_and_bad_path_raise(tmp_path):
     copy_config(src, tmp_path / "missing")
     save_file({n: t for n, t in tensors.items() if n != missing}, tmp_path / "missing" / "model.safetensors")
     with pytest.raises(ValueError, match=missing.replace(".", r"\.")):
-        load_hf_weights(tmp_path / "missing", cfg, jnp.float32)
+        load(tmp_path / "missing", cfg, jnp.float32)
     copy_config(src, tmp_path / "extra")
     save_file({**tensors, "model.layers.0.mlp.extra.weight": tensors[missing]}, tmp_path / "extra" / "model.safetensors")
     with pytest.raises(ValueError, match="extra"):
-        load_hf_weights(tmp_path / "extra", cfg, jnp.float32)
+        load(tmp_path / "extra", cfg, jnp.float32)
     with pytest.raises(ValueError, match="path"):
-        load_hf_weights(tmp_path / "nowhere", cfg, jnp.float32)
+        load(tmp_path / "nowhere", cfg, jnp.float32)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="model.safetensors"):
-        load_hf_weights(tmp_path / "empty", cfg, jnp.float32)
+        load(tmp_path / "empty", cfg, jnp.float32)
 
 
-def test_shape_mismatch_names_the_tensor(tmp_path):
+@pytest.mark.parametrize("loader", LOADERS)
+def test_shape_mismatch_names_the_tensor(tmp_path, loader):
+    load = LOADERS[loader]
     src = FIXTURES / "llama"
     cfg = ModelConfig.from_pretrained(src)
     tensors = load_file(src / "model.safetensors")
@@ -151,4 +184,4 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        load_hf_weights(tmp_path / "bad", cfg, jnp.float32)
+        load(tmp_path / "bad", cfg, jnp.float32)

@@ -18,6 +18,8 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from zipage_jax.sharding import AXIS, KV_HEADS
+
 from pallas_kernels import reference
 from zipage_jax.compression import compaction, scoring, selection
 
@@ -58,13 +60,13 @@ BACKENDS = {"reference": REFERENCE}  # name -> backend; the kernel backends are 
 
 def sharded(base: AttentionBackend, mesh: jax.sharding.Mesh) -> AttentionBackend:
     """``base`` per tensor-parallel shard: attention heads are independent, so write_kv / decode / prefill run
-    per shard (``shard_map``) over its own KV heads. The compression kernels run unsharded, as the jnp
-    references, which XLA partitions over the KV-head-sharded pool (the fused kernels are single-device)."""
+    per shard (``shard_map``) over its own KV heads. The compression fields stay base's own: the runner runs the
+    whole compression step per shard (``runner._compress_step``), where they see one shard's heads."""
 
     def per_shard(fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    pool, heads = P(None, None, "tp"), P(None, "tp")
+    pool, heads = KV_HEADS, P(None, AXIS)
 
     def write_kv(k_pool, v_pool, layer, slot_mapping, k, v):
         return per_shard(base.write_kv, (pool, pool, P(), P(), heads, heads), (pool, pool))(
@@ -80,7 +82,7 @@ def sharded(base: AttentionBackend, mesh: jax.sharding.Mesh) -> AttentionBackend
         return per_shard(lambda *a: fn(*a), (heads, pool, pool, P(), P(), P(), P()), heads)(
             q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables)
 
-    return AttentionBackend(name=base.name, write_kv=write_kv, decode=decode, prefill=prefill)
+    return dataclasses.replace(base, write_kv=write_kv, decode=decode, prefill=prefill)
 
 
 def resolve_backend(name: str = "auto") -> AttentionBackend:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax import kv_cache, weights
-from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs
+from zipage_jax.config import ADMISSIONS, EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.engine import LLMEngine, MetricsHistory
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.profiling import kernel_breakdown
@@ -43,6 +43,10 @@ MODEL_SHAPES = {
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                             rope_theta=1e6, tie_word_embeddings=False, qk_norm=True,
                             max_position_embeddings=40960, dtype="bfloat16"),
+    "qwen3-32b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                             num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                             rope_theta=1e6, tie_word_embeddings=False, qk_norm=True,
+                             max_position_embeddings=40960, dtype="bfloat16"),
     "qwen3-0.6b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                               num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                               rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
@@ -102,6 +106,20 @@ def pool_copies(hlo_text: str, pool_shape: tuple, dtype) -> dict:
                 # back to the host, so the dispatching thread waits for the device there
                 conditionals=count("conditional"), while_loops=count("while"),
                 while_loops_with_known_trip_count=len(re.findall(r"known_trip_count", hlo_text)))
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter",
+               "collective-broadcast")
+_COLLECTIVE = re.compile(r"(?<![%\w.-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> dict:
+    """How many of each cross-device collective a compiled program holds (an asynchronous ``-start`` / ``-done``
+    pair counts once). Under tensor parallelism a step should hold two all-reduces a layer and nothing else."""
+    found = {}
+    for op in _COLLECTIVE.findall(hlo_text):
+        found[op] = found.get(op, 0) + 1
+    return found
 
 
 class _Recorder:
@@ -177,8 +195,12 @@ def drain(engine: LLMEngine):
 def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, attention_backend: str = "reference",
                      page_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
                      prefill_seqs: int = 8, warmup_steps: int = 3, seed: int = 0, inspect_hlo: bool = True,
-                     profile: bool = False, progress=print, on_result=None):
+                     profile: bool = False, progress=print, on_result=None, tensor_parallel_size: int = 1):
     """Run the decode benchmark; returns (report dict, the engine with its requests).
+
+    With ``tensor_parallel_size`` devices the rooflines are those of all their HBM together (each device reads
+    its shards; the replicated embedding and LM head, read by every device, count once), and the compiled
+    step's collectives are reported; the profile is the first device's.
 
     ``on_result(partial_report)`` is called after each batch size, so a run cut short keeps what it measured.
     ``profile`` adds each batch size's kernel breakdown of the device step (``profiling.kernel_breakdown``).
@@ -199,7 +221,8 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
                           max_model_len=max_model_len, max_num_seqs=max_batch,
                           max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
                           num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
-                          enable_prefix_caching=False, compilation_cache_dir=None)
+                          enable_prefix_caching=False, compilation_cache_dir=None,
+                          tensor_parallel_size=tensor_parallel_size)
     t = time.perf_counter()
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
     jax.block_until_ready(params)
@@ -227,6 +250,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     progress(f"prefill {max_batch} x {ctx} tokens in {prefill_steps} steps: {prefill_s:.1f}s (incl. compile)")
 
     per_token_kv = kv_bytes_per_token(model_cfg, dtype)
+    hbm_peak = HBM_PEAK_BYTES_PER_S * tensor_parallel_size
 
     def make_report(results, hlo):
         return dict(
@@ -235,6 +259,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, page_size=page_size, dtype=dtype,
                         attention_backend=attention_backend, num_pages=num_pages, max_model_len=max_model_len,
+                        tensor_parallel_size=tensor_parallel_size,
                         prefill_tokens=prefill_tokens, prefill_seqs=prefill_seqs,
                         num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
             hbm_peak_bytes_per_s=HBM_PEAK_BYTES_PER_S, prefill_s_incl_compile=prefill_s,
@@ -282,8 +307,8 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             tokens_per_s=batch / engine_step_s, device_tokens_per_s=batch / device_step_s,
             weight_bytes=weight_bytes, kv_bytes=kv_bytes,
             kv_bytes_gathered_by_reference=batch * pages_per_seq * page_size * per_token_kv,
-            roofline_fraction=step_bytes / engine_step_s / HBM_PEAK_BYTES_PER_S,
-            device_roofline_fraction=step_bytes / device_step_s / HBM_PEAK_BYTES_PER_S,
+            roofline_fraction=step_bytes / engine_step_s / hbm_peak,
+            device_roofline_fraction=step_bytes / device_step_s / hbm_peak,
             first_step_s_incl_compile=compile_s, profile=breakdown)
         results.append(row)
         progress(format_row(row))
@@ -292,14 +317,15 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     engine.scheduler.running = list(requests)
     if inspect_hlo:  # last, so a slow recompile never costs the measurements
         t = time.perf_counter()
-        shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
+        kv_heads = model_cfg.num_kv_heads // tensor_parallel_size  # the compiled step holds one shard's pool
+        shape = (model_cfg.num_layers, num_pages, kv_heads, page_size, model_cfg.head_dim)
         text = engine.runner.programs.compiled(hlo_program.key).as_text()
-        hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype))
+        hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype), collectives=collectives(text))
         hlo["inspect_s"] = time.perf_counter() - t
     return make_report(results, hlo), engine
 
 
-SCHEDULING_VARIANTS = (("async", "hybrid"), ("sync", "hybrid"), ("async", "constrained"))
+SCHEDULING_VARIANTS = (("async", "reserved"), ("async", "hybrid"), ("sync", "reserved"), ("async", "constrained"))
 
 
 def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, output_len: int,
@@ -343,7 +369,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
                               num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
                               enable_prefix_caching=False, compilation_cache_dir=None, compression=True,
                               kv_budget_pages=kv_budget_pages, num_query_rows=num_query_rows,
-                              async_compression=mode == "async", hybrid_admission=admission == "hybrid",
+                              async_compression=mode == "async", admission=admission,
                               metrics_interval_steps=metrics_interval_steps)
         engine = LLMEngine(config, model_cfg, params)
         recorder = _Recorder(engine.runner)
@@ -476,6 +502,7 @@ def main(argv=None):
     decode.add_argument("--steps", type=int, default=64, help="measured decode steps per batch size")
     decode.add_argument("--warmup-steps", type=int, default=3)
     decode.add_argument("--attention-backend", default="reference")
+    decode.add_argument("--tensor-parallel-size", type=int, default=1)
     decode.add_argument("--page-size", type=int, default=256)
     decode.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     decode.add_argument("--prefill-tokens", type=int, default=8192, help="token budget of a prefill step")
@@ -486,7 +513,7 @@ def main(argv=None):
                         help="trace the device step and record where its time goes (per kernel and category)")
     decode.add_argument("--json", help="write the report here")
     sched = sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs sync "
-                                              "compression, hybrid vs constrained admission")
+                                              "compression, reserved vs hybrid vs constrained admission")
     sched.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
     sched.add_argument("--requests", type=int, default=256)
     sched.add_argument("--prompt-len", type=int, default=512)
@@ -546,7 +573,7 @@ def main(argv=None):
     report, engine = decode_benchmark(
         args.model_shape, args.batch, args.ctx, args.steps, args.attention_backend, args.page_size, args.dtype,
         args.prefill_tokens, args.prefill_seqs, args.warmup_steps, args.seed, not args.no_hlo, args.profile,
-        progress=lambda line: print(line, flush=True), on_result=write)
+        progress=lambda line: print(line, flush=True), on_result=write, tensor_parallel_size=args.tensor_parallel_size)
     print(HEADER)
     for row in report["results"]:
         print(format_row(row))
@@ -555,15 +582,16 @@ def main(argv=None):
             print(format_profile(row))
     if report["hlo"]:
         print("pool-shaped ops in the compiled decode step:", report["hlo"]["ops_producing_pool_shape"],
-              "| copies of the pool:", report["hlo"]["pool_copies"])
+              "| copies of the pool:", report["hlo"]["pool_copies"], "| collectives:", report["hlo"]["collectives"])
     write(report)
     return report, engine
 
 
 def _scheduling_main(args):
     variants = [tuple(v.split("-", 1)) for v in args.variants]
-    if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ("hybrid", "constrained") for v in variants):
-        raise ValueError(f"variants: expected MODE-ADMISSION (async|sync)-(hybrid|constrained), got {args.variants}")
+    if any(len(v) != 2 or v[0] not in ("async", "sync") or v[1] not in ADMISSIONS for v in variants):
+        raise ValueError(f"variants: expected MODE-ADMISSION with MODE async|sync and ADMISSION one of {ADMISSIONS}, "
+                         f"got {args.variants}")
     print(f"scheduling benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, {args.requests} requests "
           f"x ({args.prompt_len} + {args.output_len}) tokens, budget {args.kv_budget_pages} pages")
 

@@ -13,6 +13,7 @@ import typing
 from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class EngineConfig:
     num_gpu_pages_override: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Several hosts (README, Several GPUs and hosts): every process joins through jax.distributed first
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = os.path.join("~", ".cache", "zipage_jax", "xla")
     # Compressed PagedAttention (off = full-KV mode, the vLLM-like baseline)
@@ -41,7 +46,7 @@ class EngineConfig:
     scoring: ScoringConfig = ScoringConfig()  # eviction policy and its knobs; kwargs and flags name them flat
     # Scheduling of compressed requests (docs/ARCHITECTURE.md, Compression: concurrency)
     num_query_rows: int | None = None  # C; None = as many as the memory sizing allows
-    hybrid_admission: bool = True
+    admission: str = "reserved"
     async_compression: bool = True
     max_compression_pages: int | None = None  # None = derived at start-up (see kv_cache.plan_memory)
     compression_min_batch: int = 4
@@ -75,11 +80,23 @@ class EngineConfig:
                                                      and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", "must be a positive int or None")
         check(self.num_gpu_pages_override is None or (is_int(self.num_gpu_pages_override)
-                                                       and self.num_gpu_pages_override >= 2),
+                                                      and self.num_gpu_pages_override >= 2),
               "num_gpu_pages_override", "must be an int >= 2 (page 0 is reserved) or None")
         check(is_int(self.seed), "seed", "must be an int")
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "must be a positive int")
+        check(self.coordinator_address is None or _is_host_port(self.coordinator_address), "coordinator_address",
+              "must be 'host:port' (port 1-65535) or None")
+        multi_host = self.coordinator_address is not None
+        check(self.num_processes is None or (is_int(self.num_processes) and self.num_processes >= 1),
+              "num_processes", "must be a positive int or None")
+        check((self.num_processes is None) != multi_host, "num_processes",
+              "must be given with coordinator_address, and only with it")
+        check(self.process_id is None or (is_int(self.process_id) and 0 <= self.process_id
+                                          < (self.num_processes or self.process_id + 1)),
+              "process_id", "must be an int in [0, num_processes) or None")
+        check((self.process_id is None) != multi_host, "process_id",
+              "must be given with coordinator_address, and only with it")
         check(isinstance(self.attention_backend, str), "attention_backend", "must be a string")
         check(isinstance(self.compression, bool), "compression", "must be a bool")
         check(is_int(self.kv_budget_pages) and self.kv_budget_pages >= 1, "kv_budget_pages", "must be an int >= 1")
@@ -104,10 +121,10 @@ class EngineConfig:
               "redundancy_temperature", "must be > 0")
 
         check(self.num_query_rows is None or (is_int(self.num_query_rows)
-                                               and 1 <= self.num_query_rows <= self.max_num_seqs),
+                                              and 1 <= self.num_query_rows <= self.max_num_seqs),
               "num_query_rows", "must be None or an int in [1, max_num_seqs]")
-        for name in ("hybrid_admission", "async_compression"):
-            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(self.admission in ADMISSIONS, "admission", f"must be one of {ADMISSIONS}")
+        check(isinstance(self.async_compression, bool), "async_compression", "must be a bool")
         check(self.max_compression_pages is None or (is_int(self.max_compression_pages)
                                                      and self.max_compression_pages >= 1),
               "max_compression_pages", "must be a positive int or None")
@@ -137,6 +154,11 @@ class EngineConfig:
                                         for name in option_fields()}}
 
 
+def _is_host_port(address) -> bool:
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
 SCORING_FIELDS = tuple(f.name for f in dataclasses.fields(ScoringConfig))
 
 
@@ -163,10 +185,14 @@ DESCRIPTIONS = {
     "max_num_prefill_seqs": "most prompt chunks in one step",
     "enable_prefix_caching": "share full prompt pages by a hash chain",
     "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
-    "kv_cache_memory_bytes": "KV pool size in bytes instead",
+    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead",
     "num_gpu_pages_override": "KV pool size in pages instead",
     "seed": "engine seed: seeds of requests that bring none",
-    "tensor_parallel_size": "devices to shard heads and MLP over",
+    "tensor_parallel_size": "devices to shard heads and MLP over (across hosts: every device of every process)",
+    "coordinator_address": "several hosts: `host:port` of process 0, where every process joins "
+                           "(`jax.distributed.initialize`); None = one process",
+    "num_processes": "several hosts: how many processes join (with `coordinator_address`)",
+    "process_id": "several hosts: this process's rank in [0, `num_processes`) (with `coordinator_address`)",
     "attention_backend": "`auto` (Mosaic GPU on Hopper, Triton through jax-triton on compute capability 8.x, "
                          "reference on CPU), `mosaic`, `mosaic_decode` (Mosaic decode, XLA prefill), `triton`, "
                          "`reference`",
@@ -188,8 +214,10 @@ DESCRIPTIONS = {
     "redundancy_temperature": "softmax temperature of the redundancy penalty",
     "num_query_rows": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
                        "holder fits `M+1` pages",
-    "hybrid_admission": "requests without a query row run until the window of their first compression, then "
-                        "stall until a slot frees; False = only slot holders run",
+    "admission": "`reserved`: requests without a query row run until the window of their first compression, "
+                 "then stall until a query row frees, admitted only while the pages they can grow to by then fit; "
+                 "`hybrid`: the same, admitted greedily (may thrash by recompute preemption); `constrained`: only "
+                 "query-row holders run",
     "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "
                          "next step); False = first, the host waits",
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "

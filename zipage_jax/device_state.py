@@ -16,7 +16,7 @@ from zipage_jax import kv_cache, sharding
 class DeviceState:
     k_pool: jax.Array  # [L, num_pages, Hkv, S, D]
     v_pool: jax.Array
-    query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-slot holders (a ring)
+    query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-row holders (a ring)
     score_cache: jax.Array  # [L, num_pages, Hkv, S] f32: score history of every slot
     token_buffer: jax.Array  # [max_num_seqs + 1] int32: each running request's last sampled token
 

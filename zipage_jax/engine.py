@@ -56,6 +56,7 @@ class LLMEngine:
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
+        sharding.join_processes(config)  # before any device query
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -102,9 +103,10 @@ class LLMEngine:
         config, model_cfg = self.config, self.model_cfg
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
-        if params is None:
-            params = weights.load_hf_weights(config.model, model_cfg, self.dtype)
-        self.params = sharding.shard_params(params, self.mesh)
+        if params is None:  # straight into the shards: no device holds more than its own
+            self.params = weights.load_sharded(config.model, model_cfg, self.dtype, self.mesh)
+        else:
+            self.params = sharding.shard_params(params, self.mesh)
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)

@@ -80,7 +80,8 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """What ``plan_memory`` decided: the pool, the query rows and the concurrency they allow, and the bytes
-    behind each (the engine logs them; the server's metrics report them)."""
+    behind each (the engine logs them; the server's metrics report them). Bytes are per device: under tensor
+    parallelism each device holds its share of the heads of every page and query row."""
 
     max_model_len: int
     dtype: jnp.dtype  # of the KV pool and the query cache
@@ -115,13 +116,18 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
 
     With the budget taken from the device, the peak scratch of the largest step and of the largest compression
     batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.
-    ``C = available / (page_bytes * (M + 1) + query_row_bytes)``: every slot holder can reach its steady state
-    of ``M + 1`` pages; requests without a slot (hybrid admission) live on the remaining pages.
+    ``C = available / (page_bytes * (M + 1) + query_row_bytes)``: every query-row holder can reach its steady
+    state of ``M + 1`` pages; requests without a query row (hybrid admission) live on the remaining pages.
+
+    The budget is per device (like the device's free memory), and so are the page and query-row bytes: with
+    ``tensor_parallel_size`` devices a page costs each of them ``1 / tensor_parallel_size`` of its bytes (the
+    scratch estimates stay those of one device holding every head: an upper bound).
     """
     S, M = config.page_size, config.kv_budget_pages
+    shards = config.tensor_parallel_size  # divides the KV heads, hence the query heads
     pages_per_seq = -(-max_model_len // S)
-    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score)
-    slot = query_row_bytes(model_cfg, config, dtype) if config.compression else 0
+    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score) // shards
+    row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.compression else 0
     max_comp = 0
     if config.compression:
         max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, 64) * (M + 1))
@@ -132,14 +138,14 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     comp = 0
     if config.compression:
         comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, backend.fused_compression)
-    swap = (M + 1) * per_page + slot if config.compression else 0
+    swap = (M + 1) * per_page + row_bytes if config.compression else 0
     reserved, source = 0, "num_gpu_pages_override"
     if config.num_gpu_pages_override is not None:
         budget = None
     elif config.kv_cache_memory_bytes is not None:
         budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     else:
-        budget, source = device_free_bytes(jax.devices()[0], config.gpu_memory_utilization), "device"
+        budget, source = device_free_bytes(jax.local_devices()[0], config.gpu_memory_utilization), "device"
         if budget is None:
             budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
         else:
@@ -147,34 +153,36 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
         num_pages = config.num_gpu_pages_override
-        slots = config.num_query_rows or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
+        rows = config.num_query_rows or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
     else:
         available = budget - reserved
-        slots = 0
+        rows = 0
         if config.compression:
-            slots = config.num_query_rows or min(config.max_num_seqs, max(0, available // ((M + 1) * per_page + slot)))
-        num_pages = min(max(0, available - (slots + 1) * slot) // per_page, cap)
+            holder = (M + 1) * per_page + row_bytes
+            rows = config.num_query_rows or min(config.max_num_seqs, max(0, available // holder))
+        num_pages = min(max(0, available - (rows + 1) * row_bytes) // per_page, cap)
     if not config.compression:
-        slots = 0
-    if num_pages < pages_per_seq + 1 or (config.compression and slots < 1):
+        rows = 0
+    if num_pages < pages_per_seq + 1 or (config.compression and rows < 1):
         raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes ({source}, {reserved} reserved for "
-                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {slots} query rows; one "
-                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a slot "
+                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {rows} query rows; one "
+                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a row_bytes "
                          f"(lower max_model_len or raise the budget)")
-    compressed = min(slots, (num_pages - 1) // (M + 1)) if config.compression else 0
+    compressed = min(rows, (num_pages - 1) // (M + 1)) if config.compression else 0
     if not config.compression:
         concurrency = config.max_num_seqs
-    elif config.hybrid_admission:
+    elif config.admission != "constrained":
         concurrency = config.max_num_seqs
     else:
-        concurrency = slots
+        concurrency = rows
     return MemoryPlan(
         max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
         reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
         step_scratch_bytes=step, compression_scratch_bytes=comp,
         page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
-        query_row_bytes=slot, num_query_rows=int(slots), query_cache_bytes=(slots + 1) * slot if slot else 0,
+        query_row_bytes=row_bytes, num_query_rows=int(rows),
+        query_cache_bytes=(rows + 1) * row_bytes if row_bytes else 0,
         max_compression_pages=int(max_comp), pages_per_seq=pages_per_seq,
         max_concurrency=int(concurrency), max_compressed_concurrency=int(compressed),
         full_length_concurrency=int(min(config.max_num_seqs, (num_pages - 1) // pages_per_seq)))
@@ -193,7 +201,7 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
 
 
 def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
-    """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of slot-less rows) and score cache
+    """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of requests without a query row) and score cache
     ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
     layers = model_cfg.num_layers
     if config.compression:

@@ -1,7 +1,8 @@
 """Where a step's device time goes: a ``jax.profiler`` trace of a few calls, summed per kernel and per category.
 
-On a GPU the trace holds one event per kernel launch (inside CUDA graphs too) on the device's stream lines; on
-the CPU backend it holds one event per XLA thunk on the host's XLA threads, so the same summary runs in tests.
+On a GPU the trace holds one event per kernel launch (inside CUDA graphs too) on the device's stream lines (the
+first GPU's, under tensor parallelism: every device runs the same step, and its collectives show as NCCL kernels);
+on the CPU backend it holds one event per XLA thunk on the host's XLA threads, so the same summary runs in tests.
 """
 
 import glob
@@ -12,6 +13,8 @@ import jax
 
 # (category, pattern over the kernel / op name), first match wins
 CATEGORIES = (
+    ("collective", re.compile(r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|reduce-scatter|"
+                              r"collective-permute|all-to-all", re.I)),
     ("matmul", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|sm90_|dot|matmul", re.I)),
     ("attention kernel", re.compile(r"paged|prefill|attend|mosaic|window_scores|redundancy|compact|selection", re.I)),
     ("kv write (scatter)", re.compile(r"scatter|dynamic_update_slice|dynamic-update-slice", re.I)),
@@ -30,6 +33,7 @@ def _kernel_events(trace_dir: str):
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0])
     device = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    device = [p for p in device if re.match(r"/device:GPU:0\b", p.name)] or device  # tensor parallel: one GPU
     if device:
         lines = [line for plane in device for line in plane.lines if "stream" in line.name.lower()]
     else:  # CPU backend: XLA's thunks run on its host threads

@@ -36,6 +36,10 @@ class Programs:
     def compiled(self, key):
         return self._compiled[key]
 
+    def keys(self) -> list:
+        """The keys of the programs compiled so far."""
+        return list(self._compiled)
+
     def run(self, program: Program, *args):
         """Call ``program`` on ``args`` (compiling it first if no warm-up did)."""
         compiled = self._compiled.get(program.key)

@@ -23,6 +23,8 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from zipage_jax import device_state, kv_cache, packing, sharding
 from zipage_jax.attention import AttentionBackend
@@ -42,8 +44,8 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode step: the fused QKV matmul, three times a layer). The pool sizing already reserves every program's
 # scratch, so the pass can only cost time.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-# From this many rows on, cuBLAS beats XLA's Triton GEMMs on the H200 (decode step, Qwen3-8B shapes: 7.50 vs
-# 7.95 ms at 64 rows, 17.9 vs 18.2 at 256; Triton wins at 1 row, 5.2 vs 6.4 ms; BENCHMARKS.md).
+# From this many rows on, cuBLAS beats XLA's Triton GEMMs in the decode step; below it Triton wins (measured on
+# the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
 CUBLAS_MIN_ROWS = 64
 
 
@@ -118,9 +120,19 @@ def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store
     return state, tokens, logprobs
 
 
-def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend):
-    k_pool, v_pool, score_cache = compress(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
-                                           packing.unpack(packed, spec), cfg, sm_scale, backend=backend)
+def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, mesh):
+    """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
+    and compaction read only that head and its query group, so the step needs no collective and the backend's
+    compression kernels run on one shard's heads."""
+    def run(k_pool, v_pool, score_cache, query_cache, plan):
+        return compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, sm_scale, backend=backend)
+
+    if mesh.size > 1:
+        heads, scores = sharding.KV_HEADS, sharding.KV_HEADS if cfg.global_score else P()  # as allocated
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, sharding.QUERY_HEADS, P()),
+                            out_specs=(heads, heads, scores), check_vma=False)
+    k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
+                                      packing.unpack(packed, spec))
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 
@@ -157,7 +169,7 @@ class ModelRunner:
         self.scoring = config.scoring
         self.programs = Programs(progress)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
-                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend),
+                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
                                  static_argnames=("spec",), donate_argnames=("state",))
         history = config.compression and config.scoring.global_score
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
@@ -385,12 +397,13 @@ class ModelRunner:
 
     def swap_out(self, pages: list[int], query_row: int) -> tuple:
         """Host copies of the pages' K/V (and scores) and of the query-cache row, ordered after every step
-        dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away."""
+        dispatched so far; the host waits for them (swaps are rare), so the pages can be reused right away.
+        Across processes every one gathers the whole copy (its heads live on other hosts' devices too)."""
         padded = np.zeros(pick_bucket(self.swap_page_sizes, len(pages)), np.int32)
         padded[:len(pages)] = pages
         gather, _ = self._swap_programs(len(padded))
         arrays = self.programs.run(gather, self.state, *self._swap_index(padded, query_row))
-        k, v, scores, queries = (np.asarray(a) for a in arrays)
+        k, v, scores, queries = multihost_utils.process_allgather(arrays, tiled=True)
         n = len(pages)
         return k[:, :n], v[:, :n], scores[:, :n] if scores.ndim else scores, queries
 

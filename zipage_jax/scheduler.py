@@ -10,16 +10,18 @@ is compressed first: it keeps ``M`` pages of selected slots plus a recent page. 
 end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
 request's last ``W`` window queries, which the device records only for holders of one of ``C`` query rows; so a
-request must hold a slot before it computes any of the last ``W`` tokens before its first compression point, and
-keeps it until it ends. With hybrid admission, a request without a slot runs until then and stalls there until a
-slot frees (front-most first); a prefill chunk is cut short at that point instead. Without it (constrained
-admission) a request gets its slot on admission or waits. A slot is granted only while the ``M+1`` steady-state
-pages of all holders fit in the pool (per-request budgets). The prefix cache never serves the pages of that window
-(their queries must be computed).
+request must hold a query row before it computes any of the last ``W`` tokens before its first compression point, and
+keeps it until it ends. With hybrid or reserved admission, a request without a query row runs until then and stalls there until a
+query row frees (front-most first); a prefill chunk is cut short at that point instead. With reserved admission (the
+default) a request is admitted only while the pages it can hold before its first compression fit beside the ``M+1``
+of every holder and those of the requests without a query row, so requests running into their windows do not thrash
+the pool by recompute preemption. With constrained admission a request gets its query row on admission or waits. A
+query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool (per-request budgets).
+The prefix cache never serves the pages of that window (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
-rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all slot holders) are due or
-one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many slot holders
+rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
+one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many query-row holders
 about one request falls due each step, and a dispatch has a fixed cost (every layer's kernels) whatever its rows.
 Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
 requests are left out of this step's decode (they decode next step, after their compression in device stream
@@ -93,7 +95,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_prefill_seqs = config.max_num_prefill_seqs
         self.window = config.scoring.window
-        self.hybrid_admission = config.hybrid_admission
+        self.hybrid_admission = config.admission != "constrained"  # requests may run without a query row
+        self.reserve_pages = config.admission == "reserved"  # ... only while the pages they can grow to fit
         self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
         self.num_query_rows = plan.num_query_rows
@@ -104,10 +107,10 @@ class Scheduler:
         self.swapped: list[Request] = []  # in arrival order
         self.free_token_rows = list(range(max_num_seqs - 1, -1, -1))
         self.free_query_rows = list(range(self.num_query_rows - 1, -1, -1))
-        self.committed_pages = 0  # sum of M+1 over the slot holders
+        self.committed_pages = 0  # sum of M+1 over the query-row holders
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.num_stalled = 0  # requests that could not advance in the last step (slot or compression bound)
+        self.num_stalled = 0  # requests that could not advance in the last step (query row or compression bound)
         self._scheduled: set[int] = set()
         self._steps = 0
         self._due_since: dict[int, int] = {}  # id(request) -> step it became due, while its compression waits
@@ -126,22 +129,22 @@ class Scheduler:
         self.page_manager.release_deferred()  # last step's compressions precede everything dispatched now
         out = SchedulerOutput([], [], [])
         self._scheduled = set()
-        budget = self.max_num_batched_tokens
+        token_budget = self.max_num_batched_tokens
         compression_pages = 0
         compress_now = self._compression_batch_ready()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             todo = request.num_tokens - request.num_computed_tokens
             if request.reached_max_tokens or todo < 1 or (todo > 1 and len(out.prefills) >= self.max_num_prefill_seqs):
                 i += 1  # waiting for its last token to come back, or no prefill row left this step
                 continue
-            num_new = 1 if todo == 1 else self._prefill_size(request, todo, budget)
+            num_new = 1 if todo == 1 else self._prefill_size(request, todo, token_budget)
             if self.compression and request.query_row is None:
                 end = self.end_without_query_row(request, request.num_computed_tokens + num_new)
                 if end < request.num_computed_tokens + num_new and not self._grant_query_row(request):
                     num_new = end - request.num_computed_tokens if todo > 1 else 0
-                    if num_new <= 0:  # stalled at its window until a slot frees
+                    if num_new <= 0:  # stalled at its window until a query row frees
                         out.stalled.append(request)
                         i += 1
                         continue
@@ -167,17 +170,17 @@ class Scheduler:
                 out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             self._scheduled.add(id(request))
             request.num_computed_tokens += num_new
-            budget -= num_new
+            token_budget -= num_new
             i += 1
         if not out.preempted:
             self._swap_in(out)
             if not self.swapped:
-                self._admit(out, budget)
+                self._admit(out, token_budget)
         self.num_stalled = len(out.stalled)
         return out
 
     def _compression_batch_ready(self) -> bool:
-        """Whether this step dispatches the due compressions: enough are due together (or every slot holder is),
+        """Whether this step dispatches the due compressions: enough are due together (or every query-row holder is),
         or one has waited long enough (see the module docstring)."""
         self._steps += 1
         if not self.compression or self.compression_max_wait_steps == 0 or self.compression_min_batch <= 1:
@@ -202,9 +205,9 @@ class Scheduler:
         """The largest length ``<= end`` an uncompressed request can reach without a query row."""
         return min(end, self.first_due(request) - self.window)
 
-    def _prefill_size(self, request: Request, todo: int, budget: int) -> int:
-        """Tokens of the next chunk: the budget, and never past the first compression point."""
-        n = min(todo, budget)
+    def _prefill_size(self, request: Request, todo: int, token_budget: int) -> int:
+        """Tokens of the next chunk: within the step's token budget, and never past the first compression point."""
+        n = min(todo, token_budget)
         if self.compression and not request.compressed:
             n = min(n, self.first_due(request) - request.num_computed_tokens)
         assert n >= 1
@@ -273,7 +276,7 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             if request.num_pending or not self._grant_query_row(request):
-                break  # its last token is still in flight, or no slot: it comes back first, later
+                break  # its last token is still in flight, or no query row: it comes back first, later
             pages = self.page_manager.allocate_pages(request.swap_pages)
             if pages is None:
                 self._release_query_row(request)
@@ -284,8 +287,20 @@ class Scheduler:
             self._start(request)
             out.swap_ins.append(request)
 
-    def _admit(self, out: SchedulerOutput, budget: int):
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+    def peak_pages_before_compression(self, request: Request) -> int:
+        """Pages the request holds at most before its first compression (or its end, if that comes first)."""
+        end = min(len(request.prompt_token_ids) + request.sampling_params.max_tokens, self.first_due(request))
+        return -(-end // self.page_manager.page_size)
+
+    def _rowless_pages(self) -> int:
+        """Pages the running requests without a query row can come to hold (or hold, if more): once one takes a
+        query row at its window, its ``M+1`` committed pages are no more than that."""
+        return sum(max(len(r.page_ids), self.peak_pages_before_compression(r))
+                   for r in self.running if r.query_row is None)
+
+    def _admit(self, out: SchedulerOutput, token_budget: int):
+        rowless = self._rowless_pages() if self.compression and self.reserve_pages else 0
+        while (self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:
@@ -294,15 +309,23 @@ class Scheduler:
                 limit = self.first_due(request) - self.window if self.compression else None
                 self.page_manager.match_prefix(request, limit)
             todo = request.num_tokens - request.num_computed_tokens
-            num_new = self._prefill_size(request, todo, budget)
+            num_new = self._prefill_size(request, todo, token_budget)
             if self.compression:
+                if self.reserve_pages:  # admitted only if it can reach its first compression beside the others
+                    need = self.peak_pages_before_compression(request)
+                    if self.committed_pages + rowless + need > self.page_manager.num_pages - 1:
+                        self._release_pages(request)
+                        break
                 end = request.num_computed_tokens + num_new
-                slotless = self.end_without_query_row(request, end) if self.hybrid_admission else request.num_computed_tokens
-                if slotless < end and not self._grant_query_row(request):
-                    num_new = slotless - request.num_computed_tokens
+                reachable = (self.end_without_query_row(request, end) if self.hybrid_admission
+                             else request.num_computed_tokens)
+                if reachable < end and not self._grant_query_row(request):
+                    num_new = reachable - request.num_computed_tokens
                     if num_new <= 0:
                         self._release_pages(request)
                         break
+                if request.query_row is None and self.reserve_pages:
+                    rowless += need
             if not self.page_manager.allocate(request, num_new):
                 self._release_query_row(request)
                 self._release_pages(request)
@@ -311,7 +334,7 @@ class Scheduler:
             self._start(request)
             out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             request.num_computed_tokens += num_new
-            budget -= num_new
+            token_budget -= num_new
 
     # -- state changes -----------------------------------------------------------------------------------
     def _release_pages(self, request: Request):

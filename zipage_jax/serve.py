@@ -178,14 +178,15 @@ class _Service:
             await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not results.done():
+            gone = not results.done()
+            if gone:  # cancel() only schedules the cancellation: the task is not done yet, so never read it
                 results.cancel()
                 self.async_engine.record_client_abort()
             group.close()
+        if gone:
+            return None
         try:
             return results.result()
-        except asyncio.CancelledError:
-            return None
         except EngineStepError as exc:
             raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
 
@@ -434,6 +435,9 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.max_queued_requests < 0:
         parser.error("--max-queued-requests must be >= 0")
+    if getattr(args, "num_processes", None) not in (None, 1):  # followers would have to mirror every step
+        parser.error("--num-processes: the server drives one process; several processes serve offline batches "
+                     "(README, Several GPUs and hosts)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     from zipage_jax.engine import LLMEngine  # imported late so --help needs no accelerator runtime

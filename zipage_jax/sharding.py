@@ -1,7 +1,9 @@
 """Tensor parallelism: one mesh axis ``tp`` over attention heads and the MLP's hidden dimension.
 
 Parameters, the KV pool and the query/score caches get NamedShardings and XLA (GSPMD) partitions the jitted
-steps; the attention kernels run per shard inside ``shard_map`` (see ``attention.sharded``).
+steps; the attention kernels run per shard inside ``shard_map`` (see ``attention.sharded``), and so does the
+whole compression step (``runner._compress_step``). A decode or prefill step then holds two all-reduces a layer
+(after ``o_proj`` and after ``down_proj``) and no other collective; a compression holds none.
 With one device this is the identity: the same code path serves both.
 """
 
@@ -12,6 +14,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zipage_jax.models.params import Params, ServingLayer, ServingParams, to_serving
 
 AXIS = "tp"
+KV_HEADS = P(None, None, AXIS)  # the pool [L, pages, Hkv, S, D] and the score cache [L, pages, Hkv, S]
+QUERY_HEADS = P(None, None, None, AXIS)  # the query cache [L, C+1, W, Hq, D]
+
+
+def join_processes(config) -> None:
+    """Several hosts: join the others through ``jax.distributed.initialize``, once per process and before anything
+    asks for a device; ``jax.devices()`` then lists every process's devices and ``make_mesh`` spans them. One
+    process (``coordinator_address`` None): nothing to do."""
+    if config.coordinator_address is None or jax.distributed.is_initialized():
+        return
+    jax.distributed.initialize(coordinator_address=config.coordinator_address, num_processes=config.num_processes,
+                               process_id=config.process_id)
 
 
 def make_mesh(tensor_parallel_size: int, model_cfg) -> Mesh:
@@ -51,13 +65,13 @@ def shard_params(params: Params, mesh: Mesh) -> ServingParams:
 
 
 def kv_head_sharding(mesh: Mesh) -> NamedSharding:
-    """The pool ``[L, pages, Hkv, S, D]`` and score cache ``[L, pages, Hkv, S]`` split over KV heads."""
-    return NamedSharding(mesh, P(None, None, AXIS))
+    """The pool and the score cache split over KV heads."""
+    return NamedSharding(mesh, KV_HEADS)
 
 
 def query_head_sharding(mesh: Mesh) -> NamedSharding:
-    """The query cache ``[L, C, W, Hq, D]`` split over query heads."""
-    return NamedSharding(mesh, P(None, None, None, AXIS))
+    """The query cache split over query heads (shard i holds the query heads of its KV heads)."""
+    return NamedSharding(mesh, QUERY_HEADS)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -13,7 +13,7 @@ from generation; the generation window starts when the requests are added and en
 - running requests (mean over steps, peak), page occupancy, preemptions (recompute), swaps, stalled request-steps;
 - the steady-state compression share of device time (``metrics()["steady_compression_time_share"]``);
 - the HBM roofline fraction of the decode steps: (weight bytes + KV bytes of the pages in use) per decode step,
-  summed, over the window, against the peak bandwidth;
+  summed, over the window, against the peak bandwidth (of all ``--tensor-parallel-size`` devices together);
 - samples over time (throughput, concurrency, pages per running request) for the plots.
 
 Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random weights of a real model's shapes,
@@ -39,7 +39,7 @@ import numpy as np
 from zipage_jax.sampling import SamplingParams
 
 WORKLOADS = ("reasoning", "mixed", "prefix")
-MODES = ("full", "compressed")
+MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
 
@@ -220,7 +220,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         num_compressions=metrics["num_compressions"],
         compression_time_share_steady=metrics["steady_compression_time_share"],
         compression_time_share_since_start=metrics["compression_time_share"],
-        hbm_roofline_fraction=bytes_read / steady_wall / HBM_PEAK_BYTES_PER_S,
+        hbm_roofline_fraction=bytes_read / steady_wall / (HBM_PEAK_BYTES_PER_S * engine.config.tensor_parallel_size),
         weight_bytes=total_bytes, page_bytes=page_bytes, kv_pages=pages,
         num_query_rows=metrics["num_query_rows"], max_concurrency=metrics["max_concurrency"],
         pages_per_request_peak_mean=float(np.mean(peak_pages)) if peak_pages else 0.0,
@@ -271,6 +271,9 @@ def ratios(results: list, peer: dict | None) -> dict:
                                                       / full["tokens_per_s_second_half"])
         out["compressed / full (incl. start-up)"] = (comp["tokens_per_s_incl_startup"]
                                                      / full["tokens_per_s_incl_startup"])
+    for other in ("compressed-hybrid", "compressed-constrained"):
+        if "compressed" in by and other in by:
+            out[f"compressed / {other} (steady)"] = by["compressed"]["tokens_per_s"] / by[other]["tokens_per_s"]
     if peer and peer.get("tokens_per_s") and "full" in by:
         out["full / hf peer (steady)"] = by["full"]["tokens_per_s"] / peer["tokens_per_s"]
     return out
@@ -326,7 +329,8 @@ def add_arguments(parser):
                              "of the code path and the report)")
     parser.add_argument("--model", help="HF checkpoint directory (default: random weights of --model-shape)")
     parser.add_argument("--model-shape", default="qwen3-8b", help="random weights of these shapes (bench.MODEL_SHAPES)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]),
+                        help="compressed-hybrid / compressed-constrained: compressed mode under another admission")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--kv-budget-pages", type=int, default=8, help="M: the budget is M * page_size tokens")
@@ -335,7 +339,9 @@ def add_arguments(parser):
     parser.add_argument("--max-num-prefill-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="KV pool and caches in GB (default: an 80 GB card after the weights, 0.9 x 80 GB - weights)")
+                        help="KV pool and caches in GB per device (default: an 80 GB card after its share of the "
+                             "weights, 0.9 x 80 GB - weights / tensor-parallel-size)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-pages", type=int, help="KV pool in pages instead")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
@@ -395,13 +401,14 @@ def main(args) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     kv_bytes = None
     if args.num_pages is None:
-        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - weight_bytes) / 1e9
+        share = weight_bytes / args.tensor_parallel_size
+        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - share) / 1e9
         kv_bytes = int(gb * 1e9)
     options = dict(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
                    max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_pages_override=args.num_pages,
                    attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
-                   metrics_interval_steps=0)
+                   metrics_interval_steps=0, tensor_parallel_size=args.tensor_parallel_size)
     report["config"] = dict(options, kv_budget_pages=args.kv_budget_pages,
                             model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
                             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
@@ -409,7 +416,10 @@ def main(args) -> dict:
 
     def make_engine(mode):
         """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
-        extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages) if mode == "compressed" else {}
+        extra = {}
+        if mode.startswith("compressed"):
+            extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages,
+                         admission=mode.partition("-")[2] or "reserved")
         params = None
         if not args.model:
             params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)

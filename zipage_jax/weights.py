@@ -1,10 +1,11 @@
-"""Model weights: HF safetensors -> Params, orbax save/restore of converted Params, random init.
+"""Model weights: HF safetensors -> Params, or straight into the engine's sharded ServingParams; orbax
+save/restore of converted Params, random init.
 
-The engine reads safetensors at every start: restoring an orbax checkpoint of the converted Params was measured
-slower (BENCHMARKS.md, Weight loading), so there is no weights cache.
+The engine reads safetensors at every start (``load_sharded``): restoring an orbax checkpoint of the converted
+Params was measured slower (BENCHMARKS.md, Weight loading), so there is no weights cache.
 
-Loading streams one stacked field at a time (host buffer -> device -> released) so peak host memory is one
-field, never two copies of the model.
+``load_hf_weights`` streams one stacked field at a time (host buffer -> device -> released) so peak host memory
+is one field, never two copies of the model. ``load_sharded`` sends each device only the slices it keeps.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from .models.config import ModelConfig
-from .models.params import Params, param_shapes, params_from_flat
+from .models.params import Params, ServingLayer, ServingParams, param_shapes, params_from_flat, to_serving
+from .sharding import param_shardings
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -51,6 +55,12 @@ _TOP_TENSORS = {
 }
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# ServingLayer field -> the LayerParams fields fused into it, in order (as ``params.to_serving`` fuses them)
+SERVING_LAYER_PARTS = {
+    "input_norm": ("input_norm",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+    "post_norm": ("post_norm",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+    "qkv_bias": ("q_bias", "k_bias", "v_bias"), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
+}
 
 
 class SafetensorsFile:
@@ -163,13 +173,114 @@ def load_hf_weights(path, cfg: ModelConfig, dtype=jnp.bfloat16, device=None) -> 
             names = [name]
         flat[field] = _load_field(ckpt, names, transpose, shape, dtype, device)
         used.update(names)
+    _check_all_used(ckpt, used, cfg)
+    return params_from_flat(flat)
+
+
+def _check_all_used(ckpt: SafetensorsCheckpoint, used: set[str], cfg: ModelConfig):
     unused = {
         n for n in ckpt.names() - used
         if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     }
     if unused:
-        raise ValueError(f"checkpoint {path} has tensors the {cfg.model_type} config does not use: {sorted(unused)[:8]}")
-    return params_from_flat(flat)
+        raise ValueError(f"checkpoint {ckpt.path} has tensors the {cfg.model_type} config does not use: "
+                         f"{sorted(unused)[:8]}")
+
+
+def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
+    """The engine's weights: ``sharding.shard_params(load_hf_weights(path, cfg, dtype), mesh)``, without a full
+    copy on one device.
+
+    Each weight is made by ``jax.make_array_from_callback`` in the checkpoint's layout and dtype, sharded as its
+    target transposed: every device receives only the slice it keeps, read from the memory-mapped file (the
+    fused q/k/v and gate/up columns of its own shard, assembled on the host), then transposes and casts it in
+    place. Replicated weights (embedding, LM head, norms) reach every device whole. With several processes each
+    one fills its own devices' shards.
+    """
+    ckpt = SafetensorsCheckpoint(path)
+    shapes = param_shapes(cfg)
+    stacked = params_from_flat({f: None if s is None else jax.ShapeDtypeStruct(s, dtype) for f, s in shapes.items()})
+    abstract = jax.eval_shape(lambda p: to_serving(p, mesh.size), stacked)
+    targets = param_shardings(abstract, mesh)
+    used: set[str] = set()
+
+    def load(names, hf_shapes, transpose, target, sharding):
+        used.update(names)
+        return _load_sharded_field(ckpt, names, hf_shapes, transpose, target, sharding, mesh.size)
+
+    def hf_shape(field, transpose):
+        shape = shapes[field][1:] if field.startswith("layers.") else shapes[field]
+        return shape[::-1] if transpose else shape
+
+    layers = []
+    for i, (layer, sharding) in enumerate(zip(abstract.layers, targets.layers)):
+        fields = {}
+        for field, parts in SERVING_LAYER_PARTS.items():
+            target = getattr(layer, field)
+            if target is None:
+                fields[field] = None
+                continue
+            transpose = HF_LAYER_TENSORS[parts[0]][1]
+            names = [f"model.layers.{i}.{HF_LAYER_TENSORS[p][0]}" for p in parts]
+            fields[field] = load(names, [hf_shape(f"layers.{p}", transpose) for p in parts], transpose, target,
+                                 getattr(sharding, field))
+        layers.append(ServingLayer(**fields))
+    top = {}
+    for field, (name, transpose) in _TOP_TENSORS.items():
+        target = getattr(abstract, field)
+        top[field] = None if target is None else load([name], [hf_shape(field, transpose)], transpose, target,
+                                                      getattr(targets, field))
+    _check_all_used(ckpt, used, cfg)
+    return ServingParams(layers=tuple(layers), shards=mesh.size, **top)
+
+
+def _load_sharded_field(ckpt, names, hf_shapes, transpose: bool, target, sharding, shards: int):
+    """One ServingParams leaf from the HF tensors ``names`` (fused along their first axis, grouped per shard)."""
+    tensors = [ckpt.get(name) for name in names]
+    for name, tensor, shape in zip(names, tensors, hf_shapes):
+        if tensor.shape != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tensor.shape}, which does not fit the config "
+                             f"(expected {tuple(shape)})")
+    groups = shards if len(tensors) > 1 else 1
+    hf_layout = target.shape[::-1] if transpose else target.shape
+    source = sharding
+    if transpose:
+        spec = tuple(sharding.spec) + (None,) * (len(target.shape) - len(sharding.spec))
+        source = NamedSharding(sharding.mesh, P(*spec[::-1]))
+
+    def shard(index):
+        return _fused_rows(tensors, groups, index[0])[(slice(None),) + tuple(index[1:])]
+
+    array = jax.make_array_from_callback(hf_layout, source, shard, dtype=tensors[0].dtype)
+    return _to_target(array, transpose, target.dtype, sharding)
+
+
+def _fused_rows(tensors, groups: int, rows: slice) -> np.ndarray:
+    """Rows ``rows`` of the tensors concatenated along axis 0 in ``groups`` interleaved groups
+    ``[t0_g0 | t1_g0 | ... | t0_g1 | t1_g1 | ...]`` (``params.fuse_columns`` on the HF layout), read from the
+    tensors' own rows: a memory-mapped view where one tensor covers them."""
+    start, stop, _ = rows.indices(sum(t.shape[0] for t in tensors))
+    pieces, offset = [], 0
+    for g in range(groups):
+        for t in tensors:
+            width = t.shape[0] // groups
+            lo, hi = max(start, offset), min(stop, offset + width)
+            if lo < hi:
+                pieces.append(t[g * width + lo - offset:g * width + hi - offset])
+            offset += width
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def _to_target(x, transpose: bool, dtype, sharding):
+    """Transpose (a row shard becomes a column shard: no communication) and cast, shard by shard."""
+    if not transpose and x.dtype == dtype:
+        return x
+    return _converter(transpose, jnp.dtype(dtype), sharding)(x)
+
+
+@functools.cache
+def _converter(transpose: bool, dtype, sharding):
+    return jax.jit(lambda x: (jnp.swapaxes(x, -1, -2) if transpose else x).astype(dtype), out_shardings=sharding)
 
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
