@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
-from .models.params import Params, ServingLayer, ServingParams, param_shapes, params_from_flat, to_serving
+from .models.params import (SERVING_LAYER_PARTS, Params, ServingLayer, ServingParams, param_shapes,
+                            params_from_flat, to_serving)
 from .sharding import param_shardings
 
 _SAFETENSORS_DTYPES = {
@@ -55,12 +56,6 @@ _TOP_TENSORS = {
 }
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# ServingLayer field -> the LayerParams fields fused into it, in order (as ``params.to_serving`` fuses them)
-SERVING_LAYER_PARTS = {
-    "input_norm": ("input_norm",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-    "post_norm": ("post_norm",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
-    "qkv_bias": ("q_bias", "k_bias", "v_bias"), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
-}
 
 
 class SafetensorsFile:

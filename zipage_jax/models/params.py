@@ -132,12 +132,22 @@ def to_serving(params: Params, shards: int = 1) -> ServingParams:
                          final_norm=params.final_norm, lm_head=params.lm_head, shards=shards)
 
 
+# ServingLayer field -> the LayerParams fields it holds, in order (several: fused by ``fuse_columns``)
+SERVING_LAYER_PARTS = {
+    "input_norm": ("input_norm",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+    "post_norm": ("post_norm",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+    "qkv_bias": ("q_bias", "k_bias", "v_bias"), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
+}
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
     layer = jax.tree.map(lambda x: x[i], stacked)
-    bias = None if layer.q_bias is None else fuse_columns([layer.q_bias, layer.k_bias, layer.v_bias], shards)
-    return ServingLayer(
-        input_norm=layer.input_norm, post_norm=layer.post_norm, o_proj=layer.o_proj, down_proj=layer.down_proj,
-        q_norm=layer.q_norm, k_norm=layer.k_norm, qkv_bias=bias,
-        qkv_proj=fuse_columns([layer.q_proj, layer.k_proj, layer.v_proj], shards),
-        gate_up_proj=fuse_columns([layer.gate_proj, layer.up_proj], shards))
+    fields = {}
+    for field, parts in SERVING_LAYER_PARTS.items():
+        values = [getattr(layer, part) for part in parts]
+        if values[0] is None or len(values) == 1:
+            fields[field] = values[0]
+        else:
+            fields[field] = fuse_columns(values, shards)
+    return ServingLayer(**fields)
