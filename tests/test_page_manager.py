@@ -128,13 +128,19 @@ def test_random_operations_keep_pool_consistent(num_pages, shared, ops, sampled)
     assert bm.num_free_pages == num_pages - 1 and bm.num_used_pages == 0
 
 
+def computed(bm, request_id, tokens, arrival) -> Request:
+    """A request whose prompt was matched, allocated, computed and published in ``bm``."""
+    request = Request(request_id, tokens, PARAMS, arrival)
+    bm.match_prefix(request)
+    assert bm.allocate(request, len(tokens))
+    request.num_computed_tokens = len(tokens)
+    bm.register_full_pages(request)
+    return request
+
+
 def test_shared_prefix_is_found_by_a_later_request_and_survives_its_owner():
     bm = PageManager(16, PAGE)
-    first = Request("a", list(range(10)), PARAMS, 0)
-    bm.match_prefix(first)
-    assert bm.allocate(first, 10)
-    first.num_computed_tokens = 10
-    bm.register_full_pages(first)
+    first = computed(bm, "a", list(range(10)), 0)
     second = Request("b", list(range(9)) + [99], PARAMS, 1)
     assert bm.match_prefix(second) == 8 and second.page_ids == first.page_ids[:2]
     assert [bm.ref_count[p] for p in first.page_ids] == [2, 2, 1]
@@ -148,11 +154,7 @@ def test_shared_prefix_is_found_by_a_later_request_and_survives_its_owner():
 
 def test_last_known_token_is_never_served_from_the_cache():
     bm = PageManager(8, PAGE)
-    first = Request("a", list(range(8)), PARAMS, 0)
-    bm.match_prefix(first)
-    assert bm.allocate(first, 8)
-    first.num_computed_tokens = 8
-    bm.register_full_pages(first)
+    computed(bm, "a", list(range(8)), 0)
     again = Request("b", list(range(8)), PARAMS, 1)
     assert bm.match_prefix(again) == 4  # the page holding token 7 must be recomputed for its logits
 
@@ -166,11 +168,7 @@ def test_copy_on_write_target_is_never_read_by_another_compression_of_the_step()
     """The compaction kernel runs a batch's requests concurrently and in place, so a page released by one
     compression must not become another's copy-on-write target in the same step; next step it may."""
     bm = PageManager(8, PAGE, enable_prefix_caching=True)
-    owner = Request("owner", list(range(4)) + [50, 51, 52, 53], PARAMS, 0)
-    bm.match_prefix(owner)
-    assert bm.allocate(owner, 8)
-    owner.num_computed_tokens = 8
-    bm.register_full_pages(owner)
+    owner = computed(bm, "owner", list(range(4)) + [50, 51, 52, 53], 0)
     sharer = Request("sharer", list(range(4)) + [60, 61, 62, 63, 64, 65, 66, 67], PARAMS, 1)
     assert bm.match_prefix(sharer) == 4  # its first page is the owner's
     assert bm.allocate(sharer, 8)
