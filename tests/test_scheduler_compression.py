@@ -72,8 +72,8 @@ def test_random_compressed_workload_is_lossless(requests, extra_pages, max_num_s
        token_budget=st.integers(2, 20), async_compression=st.booleans(), prefix_caching=st.booleans())
 def test_random_swap_prone_workload_is_lossless(prompts, max_tokens, extra_pages, token_budget, async_compression,
                                                 prefix_caching):
-    """The shape that swaps under hybrid admission: the front request has the largest budget and no query row yet when it needs a page,
-    the requests behind it took the query rows first and are compressed."""
+    """The shape that swaps under hybrid admission: the front request has the largest budget and no query row yet
+    when it needs a page, the requests behind it took the query rows first and are compressed."""
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=3 if i == 0 else 1), i)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     engine = compressing_engine(5 + extra_pages, len(reqs), token_budget, 2, prefix_caching, 1, len(reqs) - 1,

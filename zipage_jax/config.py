@@ -215,7 +215,7 @@ DESCRIPTIONS = {
     "num_query_rows": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
                        "holder fits `M+1` pages",
     "admission": "`reserved`: requests without a query row run until the window of their first compression, "
-                 "then stall until a query row frees, admitted only while the pages they can grow to by then fit; "
+                 "then stall until a query row frees, admitted only while the pages they can hold before it fit; "
                  "`hybrid`: the same, admitted greedily (may thrash by recompute preemption); `constrained`: only "
                  "query-row holders run",
     "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "

@@ -11,13 +11,13 @@ end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: p
 recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
 request's last ``W`` window queries, which the device records only for holders of one of ``C`` query rows; so a
 request must hold a query row before it computes any of the last ``W`` tokens before its first compression point, and
-keeps it until it ends. With hybrid or reserved admission, a request without a query row runs until then and stalls there until a
-query row frees (front-most first); a prefill chunk is cut short at that point instead. With reserved admission (the
-default) a request is admitted only while the pages it can hold before its first compression fit beside the ``M+1``
-of every holder and those of the requests without a query row, so requests running into their windows do not thrash
-the pool by recompute preemption. With constrained admission a request gets its query row on admission or waits. A
-query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool (per-request budgets).
-The prefix cache never serves the pages of that window (their queries must be computed).
+keeps it until it ends. With hybrid or reserved admission, a request without a query row runs until then and stalls
+there until a query row frees (front-most first); a prefill chunk is cut short at that point instead. With reserved
+admission (the default) a request is admitted only while the pages it can hold before its first compression fit
+beside the ``M+1`` of every holder and those of the requests without a query row, so requests running into their
+windows do not thrash the pool by recompute preemption. With constrained admission a request gets its query row on
+admission or waits. A query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool
+(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
 rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
@@ -299,7 +299,7 @@ class Scheduler:
                    for r in self.running if r.query_row is None)
 
     def _admit(self, out: SchedulerOutput, token_budget: int):
-        rowless = self._rowless_pages() if self.compression and self.reserve_pages else 0
+        rowless = self._rowless_pages() if self.waiting and self.compression and self.reserve_pages else 0
         while (self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
