@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from zipage_jax import weights
+from zipage_jax.models import weights
 from zipage_jax.models.config import ModelConfig
 
 

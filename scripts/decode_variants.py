@@ -6,7 +6,7 @@ Times the jitted forward + greedy argmax over a random-filled paged pool (Mosaic
 ``scan`` (layer-stacked weights under ``lax.scan``: the layout before the serving params), ``scan+dsf`` (the same
 with XLA's dynamic-slice fusion), ``unrolled`` (``forward_paged`` over per-layer fused weights, XLA defaults),
 ``no-remat`` (rematerialization pass off) and ``no-remat+cublas`` (also no Triton GEMMs). Programs compile in
-parallel; each row gets the kernel breakdown of ``zipage_jax.profiling``.
+parallel; each row gets the kernel breakdown of ``zipage_jax.benchmarks.profiling``.
 """
 
 import argparse
@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax import weights
-from zipage_jax.attention import resolve_backend
-from zipage_jax.bench import MODEL_SHAPES
+from zipage_jax.models import weights
+from zipage_jax.layers.attention import resolve_backend
+from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.models import PagedBatch, forward_paged, to_serving
 from zipage_jax.models.rope import rope_cos_sin
 from zipage_jax.models.transformer import _logits, _mlp, _qkv, rms_norm
-from zipage_jax.profiling import kernel_breakdown
+from zipage_jax.benchmarks.profiling import kernel_breakdown
 
 NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 VARIANTS = {  # name: (layout, compiler options)

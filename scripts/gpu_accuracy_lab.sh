@@ -15,7 +15,7 @@ python3 scripts/train_tiny.py --out "$ckpt" --init zipage_jax/assets/tiny-reason
 tar -czf "$OUT/tiny-reasoner.tgz" -C "$OUT" tiny-reasoner
 n=${PROBLEMS:-48}
 left=$(( ${DEADLINE:-380} - ($(date +%s) - start) - 40 ))  # the last configuration started must still finish
-python3 -m zipage_jax.sweep --model "$ckpt" --data synthetic:test:"$n" --data synthetic:interleaved_sums:test:"$n" \
+python3 -m zipage_jax.bench sweep --model "$ckpt" --data synthetic:test:"$n" --data synthetic:interleaved_sums:test:"$n" \
   --budgets "${BUDGETS:-4,6,9,19}" --page-size 16 --max-num-seqs 512 --num-gpu-pages-override 32768 \
   --attention-backend reference \
   --compilation-cache-dir /tmp/xla-cache --deadline-s "$left" \

@@ -17,7 +17,7 @@ timeout "${SCHED_TIMEOUT:-230}" python3 -m zipage_jax.bench scheduling --model-s
   --prompt-len 256 --output-len 1280 --kv-budget-pages 8 --page-size 64 --num-pages 520 --attention-backend auto \
   --compilation-cache-dir /tmp/xla-cache --json "$OUT/scheduling.json" --png "$OUT/scheduling.png" 2>&1 \
   | grep -v "^ " | tee "$OUT/scheduling.log" | tail -12
-timeout "${COMP_TIMEOUT:-100}" python3 -m zipage_jax.compression.bench --comp-batch 64,256 \
+timeout "${COMP_TIMEOUT:-100}" python3 -m zipage_jax.bench compression --comp-batch 64,256 \
   --comp-reps 5 --json "$OUT/compression.json" 2>&1 | tee "$OUT/compression.log" | tail -25
 if [ -n "${KERNELS:-}" ]; then  # attention kernels incl. the Triton ones (jax-triton carried as a wheel in .whl/)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \

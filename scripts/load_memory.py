@@ -1,5 +1,5 @@
 """Peak device memory per device while the engine's weights load: whole on one device then sharded
-(``sharding.shard_params(weights.load_hf_weights(...))``, the path before ``load_sharded``) against straight into
+(``weights.shard_params(weights.load_hf_weights(...))``, the path before ``load_sharded``) against straight into
 the shards (``weights.load_sharded``, what the engine does), per tensor-parallel size.
 
     python scripts/make_random_checkpoint.py /tmp/qwen3-0.6b --model-shape qwen3-0.6b
@@ -64,18 +64,19 @@ def measure(model: str, path: str, size: int, dtype: str) -> dict:
     """Load once in this process; the per-device peak and what stays held."""
     import jax.numpy as jnp
 
-    from zipage_jax import sharding, weights
+    from zipage_jax import parallel
+    from zipage_jax.models import weights
     from zipage_jax.models.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model)
-    mesh = sharding.make_mesh(size, cfg)
+    mesh = parallel.make_mesh(size, cfg)
     devices = list(mesh.devices.flat)
     on_gpu = devices[0].platform == "gpu"
 
     def load():
         if path == "sharded":
             return jax.block_until_ready(weights.load_sharded(model, cfg, jnp.dtype(dtype), mesh))
-        return jax.block_until_ready(sharding.shard_params(weights.load_hf_weights(model, cfg, jnp.dtype(dtype)),
+        return jax.block_until_ready(weights.shard_params(weights.load_hf_weights(model, cfg, jnp.dtype(dtype)),
                                                            mesh))
 
     start = time.perf_counter()

@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from zipage_jax.bench import MODEL_SHAPES
-from zipage_jax.engine import DEFAULT_MODEL
+from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+from zipage_jax.config import DEFAULT_MODEL
 
 
 def main():
@@ -52,7 +52,7 @@ def export_from_jax(shape, out):
     import jax.numpy as jnp
 
     from zipage_jax.tasks.export import save_hf_checkpoint
-    from zipage_jax.weights import init_random_params
+    from zipage_jax.models.weights import init_random_params
 
     save_hf_checkpoint(init_random_params(shape, jax.random.key(0), jnp.bfloat16), arch(shape), out)
 

@@ -17,13 +17,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from zipage_jax.page_manager import NULL_PAGE, PageManager
-from zipage_jax.compression import ScoringConfig
+from zipage_jax.core.page_manager import NULL_PAGE, PageManager
+from zipage_jax.config import ScoringConfig
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine import LLMEngine
-from zipage_jax.request import PENDING, Request, RequestStatus
-from zipage_jax.runner import StepHandle
-from zipage_jax.scheduler import Scheduler
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.core.request import PENDING, Request, RequestStatus
+from zipage_jax.worker.model_runner import StepHandle
+from zipage_jax.core.scheduler import Scheduler
 
 PAGE = 4
 VOCAB = 3  # tiny, so prompts share prefixes and the prefix cache hits

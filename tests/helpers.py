@@ -5,8 +5,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.sampling import SamplingParams
-from zipage_jax.weights import load_hf_weights
+from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.models.weights import load_hf_weights
 
 
 @functools.cache

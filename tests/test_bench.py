@@ -7,7 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from zipage_jax import bench, weights
+from zipage_jax import bench
+from zipage_jax.benchmarks.decode import decode_benchmark
+from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+from zipage_jax.models import weights
 from zipage_jax.models import forward_dense
 
 CTX, STEPS, WARMUP = 20, 3, 3
@@ -20,7 +23,7 @@ def test_decode_command_report_and_tokens(tmp_path):
     out = tmp_path / "decode.json"
     _, engine = bench.main(ARGS + ["--profile", "--json", str(out)])
     report = json.loads(out.read_text())
-    cfg = bench.MODEL_SHAPES["tiny"]
+    cfg = MODEL_SHAPES["tiny"]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert [r["batch"] for r in report["results"]] == [1, 3]
     for r in report["results"]:
@@ -50,11 +53,11 @@ def test_decode_command_report_and_tokens(tmp_path):
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="model_shape"):
-        bench.decode_benchmark("nope", [1], ctx=8, steps=1)
+        decode_benchmark("nope", [1], ctx=8, steps=1)
     with pytest.raises(ValueError, match="batch"):
-        bench.decode_benchmark("tiny", [0], ctx=8, steps=1)
+        decode_benchmark("tiny", [0], ctx=8, steps=1)
     with pytest.raises(ValueError, match="steps"):
-        bench.decode_benchmark("tiny", [1], ctx=8, steps=0)
+        decode_benchmark("tiny", [1], ctx=8, steps=0)
 
 
 def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
@@ -79,7 +82,7 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
 
 
 def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path):
-    from zipage_jax.engine import DEFAULT_MODEL
+    from zipage_jax.config import DEFAULT_MODEL
 
     out = tmp_path / "startup.jsonl"
     options = ["--page-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",

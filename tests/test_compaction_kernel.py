@@ -13,8 +13,11 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compaction import compact_slots
-from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
+from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.config import ScoringConfig
+from zipage_jax.compression.selection import select_slots
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
+from zipage_jax.layers.attention import REFERENCE
 from helpers import random_problem as scoring_problem
 from seeds import fresh_seed, seeded_rng
 
@@ -171,14 +174,14 @@ def test_compress_through_the_kernel_equals_compress():
                            compressed_before=jnp.asarray([True, False, True, False]),
                            valid=jnp.asarray(num_src > 0))
     cfg, scale = ScoringConfig(window=window, sink_tokens=1), dim ** -0.5
-    scores = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale)  # [B, L, Hkv, N]
+    scores = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)  # [B, L, Hkv, N]
 
     def layer_step(layer, pools):
         kept = select_slots(scores[:, layer], budget * page)
         return compact_slots(*pools, layer, kept, plan.src_tables, plan.dst_tables, plan.valid,
                              interpret=INTERPRET)
 
-    want = compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, scale)[:2]
+    want = compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)[:2]
     got = jax.lax.fori_loop(0, layers, layer_step, (jnp.copy(k_pool), jnp.copy(v_pool)))
     for name, g, w in zip("KV", got, want):
         np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {name} pool")

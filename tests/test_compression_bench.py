@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pallas_kernels import bench as kernel_bench
-from zipage_jax.compression import bench
+from zipage_jax.benchmarks import compression as bench
 
 
 def test_compression_section_runs_on_cpu(tmp_path):
@@ -37,6 +37,6 @@ def test_compression_section_runs_on_cpu(tmp_path):
 
 
 def test_unknown_section_raises():
-    for section in ("nope", "compression"):  # compression lives in zipage_jax.compression.bench
+    for section in ("nope", "compression"):  # compression lives in zipage_jax.benchmarks.compression
         with pytest.raises(ValueError, match="sections"):
             kernel_bench.main(["--sections", section])

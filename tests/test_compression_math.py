@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import paged_decode_ref
-from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, select_slots, slot_scores
+from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.config import ScoringConfig
+from zipage_jax.compression.selection import select_slots
+from zipage_jax.layers.attention import REFERENCE
 from seeds import seeded_rng
 
 LAYERS, PAGE, DIM, WINDOW, BUDGET = 2, 8, 16, 4, 3  # S = 8 slots per page, W = 4, M = 3 kept pages
@@ -162,12 +165,12 @@ def oracle_scores(k_pool, score_cache, query_cache, plan, cfg):
 
 @functools.lru_cache(maxsize=None)
 def jitted_scores(cfg):
-    return jax.jit(functools.partial(slot_scores, cfg=cfg, sm_scale=SCALE))
+    return jax.jit(functools.partial(slot_scores, cfg=cfg, sm_scale=SCALE, backend=REFERENCE))
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_compress(cfg):
-    return jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE), donate_argnums=(0, 1, 2))
+    return jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE, backend=REFERENCE), donate_argnums=(0, 1, 2))
 
 
 def device_scores(k_pool, score_cache, query_cache, plan, cfg):
@@ -392,9 +395,9 @@ def test_compress_rejects_bad_shapes():
     k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=2, rows=1, padding=0)
     args = (jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache))
     with pytest.raises(ValueError, match="query_cache"):
-        compress(*args, jnp.asarray(query_cache[:, :, :2]), device_plan(plan), DEFAULT, SCALE)
+        compress(*args, jnp.asarray(query_cache[:, :, :2]), device_plan(plan), DEFAULT, SCALE, REFERENCE)
     with pytest.raises(ValueError, match="score_cache"):
-        compress(*args[:2], args[2][:, :, :1], jnp.asarray(query_cache), device_plan(plan), DEFAULT, SCALE)
+        compress(*args[:2], args[2][:, :, :1], jnp.asarray(query_cache), device_plan(plan), DEFAULT, SCALE, REFERENCE)
     wide = dict(plan, dst_tables=plan["src_tables"])
     with pytest.raises(ValueError, match="dst_tables"):
-        compress(*args, jnp.asarray(query_cache), device_plan(wide), DEFAULT, SCALE)
+        compress(*args, jnp.asarray(query_cache), device_plan(wide), DEFAULT, SCALE, REFERENCE)

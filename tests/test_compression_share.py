@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import mixed_workload
-from zipage_jax import LLM, engine as engine_module
+from zipage_jax import LLM
+from zipage_jax.engine import metrics as metrics_module
 from seeds import fresh_seed
 
 WARMUP_S, STEP_S = 1000.0, 0.5
@@ -24,7 +25,7 @@ class FakeClock:
 
 def test_steady_share_excludes_warmup(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     llm = LLM("tests/fixtures/hf/qwen3_untied", page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_pages=2)
     engine = llm.engine
@@ -60,10 +61,10 @@ def test_steady_share_excludes_warmup(monkeypatch):
 def test_steady_share_subtracts_compiles_after_warmup(monkeypatch):
     """Programs compiled on first use after warm-up are start-up too (a stub engine: only the counters matter)."""
     clock = FakeClock()
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     runner = types.SimpleNamespace(compression_seconds=0.0, programs=types.SimpleNamespace(compile_wall_s=0.0))
     stub = types.SimpleNamespace(runner=runner)
-    history = engine_module.MetricsHistory(0)
+    history = metrics_module.MetricsHistory(0)
     clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 100.0, 1.0, 5.0  # warm-up's share
     history.mark_steady(stub)
     clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 200.0, 3.0, 25.0

@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from zipage_jax.detokenizer import IncrementalDetokenizer
+from zipage_jax.engine.detokenizer import IncrementalDetokenizer
 from seeds import seeded_rng
 
 CORPUS = ["naïve café — déjà vu ✓ 東京 and plain ascii words", "multi-byte: ∑ ∫ π ≈ 3.14159, emoji 🙂 🚀",

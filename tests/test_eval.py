@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from zipage_jax import answers
-from zipage_jax.answers import extract_boxed, is_correct, math_verify_match, reference_answer
+from zipage_jax.entrypoints import answers
+from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_match, reference_answer
 from zipage_jax.config import option_fields
-from zipage_jax.eval import build_parser, format_prompt, load_items, main, parse_jsonl, synthetic_items
+from zipage_jax.entrypoints.eval import build_parser, format_prompt, load_items, main, parse_jsonl, synthetic_items
 from zipage_jax.tasks import TASKS, sample_problems
 
 MODEL = "tests/fixtures/hf/qwen3"  # random weights, character tokenizer, no chat template
@@ -245,7 +245,7 @@ def test_one_description_per_engine_field_serves_both_helps_and_the_readme():
     from pathlib import Path
 
     from zipage_jax.config import DESCRIPTIONS, reference_table
-    from zipage_jax.serve import build_parser as serve_parser
+    from zipage_jax.entrypoints.api_server import build_parser as serve_parser
 
     assert set(DESCRIPTIONS) == {"model", *option_fields()}
     eval_help = " ".join(build_parser()[0].format_help().split())

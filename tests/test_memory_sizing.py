@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zipage_jax import LLM, kv_cache, packing
-from zipage_jax.compression import CompressionPlan
+from zipage_jax import LLM
+from zipage_jax.worker import kv_cache
+from zipage_jax.worker import packing
+from zipage_jax.compression.step import CompressionPlan
 from zipage_jax.config import EngineConfig
 from zipage_jax.models.config import ModelConfig
 from seeds import seeded_rng
@@ -105,8 +107,8 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     """The Mosaic kernels compact in place and score from the pool pages: their compression reserve drops the
     gathered and kept K/V (H200, Qwen3-8B shapes: 17.8 MB measured, BENCHMARKS.md), leaving the pool more
     pages; "full" redundancy still gathers keys. Tensor parallelism keeps the kernels (run per shard)."""
-    from zipage_jax.attention import resolve_backend, sharded
-    from zipage_jax.bench import MODEL_SHAPES
+    from zipage_jax.layers.attention import resolve_backend, sharded
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 
     qwen = MODEL_SHAPES["qwen3-8b"]
     cfg = config(page_size=256, kv_budget_pages=8)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zipage_jax.attention import REFERENCE
+from zipage_jax.layers.attention import REFERENCE
 from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
 from zipage_jax.models.params import fuse_columns, unfuse_columns
-from zipage_jax.weights import load_hf_weights
+from zipage_jax.models.weights import load_hf_weights
 from seeds import fresh_seed, seeded_rng
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from zipage_jax.engine import DEFAULT_MODEL
+from zipage_jax.config import DEFAULT_MODEL
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 

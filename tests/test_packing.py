@@ -4,7 +4,7 @@ kernels read leaves in place and require it)."""
 import jax
 import numpy as np
 
-from zipage_jax import packing
+from zipage_jax.worker import packing
 from seeds import fresh_seed
 
 

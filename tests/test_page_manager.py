@@ -7,9 +7,9 @@ page is handed out again. Every operation is followed by the pool's own invarian
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zipage_jax.page_manager import NULL_PAGE, PageManager
-from zipage_jax.request import Request
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.core.page_manager import NULL_PAGE, PageManager
+from zipage_jax.core.request import Request
+from zipage_jax.sampling_params import SamplingParams
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64)

@@ -17,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv
 from helpers import shuffled_page_tables
-from zipage_jax.compression import ScoringConfig
+from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.scoring import paged_redundancy_scores, redundancy_row_sums, redundancy_scores
 from seeds import fresh_seed, seeded_rng
 

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipage_jax.sampling import BAN_WIDTH, MIN_HISTORY_WIDTH, SamplingParams, SamplingRow, SamplingTensors, apply_filters, \
-    apply_penalties, sample
+from zipage_jax.layers.sampler import (BAN_WIDTH, MIN_HISTORY_WIDTH, SamplingRow, SamplingTensors, apply_filters,
+                                      apply_penalties, sample)
+from zipage_jax.sampling_params import SamplingParams
 from seeds import seeded_rng
 
 sample_jit = jax.jit(sample)

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
 from fake_device import PAGE, VOCAB, digest, fake_engine, run
-from zipage_jax.request import Request, RequestStatus
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.core.request import Request, RequestStatus
+from zipage_jax.sampling_params import SamplingParams
 
 
 def alone(prompt, max_tokens) -> list[int]:

@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from seeds import fresh_seed
 from fake_device import PAGE, VOCAB, fake_engine, run
 from zipage_jax.config import ADMISSIONS
-from zipage_jax.request import Request, RequestStatus
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.core.request import Request, RequestStatus
+from zipage_jax.sampling_params import SamplingParams
 
 
 def compressing_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2,

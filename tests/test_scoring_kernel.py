@@ -18,15 +18,17 @@ from pallas_kernels.redundancy import lightning_row_sums
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import window_scores
 from pallas_kernels.selection import selection_threshold
-from zipage_jax import attention, weights
-from zipage_jax.attention import REFERENCE, AttentionBackend, resolve_backend, sharded
-from zipage_jax.bench import MODEL_SHAPES
-from zipage_jax.compression import CompressionPlan, ScoringConfig, compress, slot_scores
+from zipage_jax.layers import attention
+from zipage_jax.models import weights
+from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend, sharded
+from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.scoring import paged_window_attention, window_attention
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine import LLMEngine
-from zipage_jax.request import Request
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.core.request import Request
+from zipage_jax.sampling_params import SamplingParams
 from helpers import random_problem
 from seeds import fresh_seed, seeded_rng
 
@@ -88,13 +90,13 @@ def test_compress_with_the_kernel_equals_jnp():
     scale = dim ** -0.5
     kernel_backend = interpreted_kernel_backend()
     got = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, backend=kernel_backend)
-    want = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale)
+    want = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
     run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, plan, cfg, scale)
-    (k_got, v_got, s_got), (k_want, v_want, s_want) = run(backend=kernel_backend), run()
+    (k_got, v_got, s_got), (k_want, v_want, s_want) = run(backend=kernel_backend), run(backend=REFERENCE)
     np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"seed {seed}")  # same kept set
     np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"seed {seed}")
     np.testing.assert_allclose(np.asarray(s_got), np.asarray(s_want), rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")

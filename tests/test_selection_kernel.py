@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.selection import MAX_SLOTS, selection_threshold
-from zipage_jax.attention import resolve_backend
+from zipage_jax.layers.attention import resolve_backend
 from zipage_jax.compression.selection import descending_key, select_slots, sorted_threshold
 from seeds import fresh_seed
 

@@ -21,10 +21,10 @@ import openai
 import pytest
 import uvicorn
 
-from zipage_jax.engine import LLMEngine
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
-from zipage_jax.serve import build_parser, create_app, stable_text_len
+from zipage_jax.entrypoints.api_server import build_parser, create_app, stable_text_len
 
 WAIT_S = 30.0  # bound on every poll loop below
 
@@ -172,7 +172,7 @@ def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
 
 
 def test_cli_refuses_several_processes(capsys):
-    from zipage_jax.serve import main
+    from zipage_jax.entrypoints.api_server import main
 
     with pytest.raises(SystemExit):
         main(["--coordinator-address", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "0"])

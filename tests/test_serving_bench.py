@@ -9,9 +9,10 @@ import time
 import pytest
 import uvicorn
 
-from zipage_jax import bench, serving_bench
-from zipage_jax.engine import LLMEngine
-from zipage_jax.serve import create_app
+from zipage_jax import bench
+from zipage_jax.benchmarks import serving
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.entrypoints.api_server import create_app
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 
@@ -64,7 +65,7 @@ def test_rates_report_latency_percentiles_and_goodput(url, tmp_path):
         assert 0 <= d["p50"] <= d["p90"] <= d["p99"], key
     assert row["ttft_s"]["p99"] <= row["e2e_s"]["p99"] and row["e2e_s"]["p99"] <= row["wall_s"]
     assert row["goodput"] == pytest.approx(row["request_throughput"])  # SLOs nobody misses
-    strict = serving_bench.summarize([dict(r, ttft=1.0) for r in [_result(0.5, 4)]], 1.0, 1.0, 0.1, 1.0)
+    strict = serving.summarize([dict(r, ttft=1.0) for r in [_result(0.5, 4)]], 1.0, 1.0, 0.1, 1.0)
     assert strict["goodput"] == 0 and strict["completed"] == 1  # a missed TTFT SLO is not goodput
 
 

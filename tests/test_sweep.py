@@ -1,13 +1,13 @@
-"""The accuracy sweep (`python -m zipage_jax.sweep`): grid parsing, engines shared between equal configurations,
+"""The accuracy sweep (`python -m zipage_jax.benchmarks.sweep`): grid parsing, engines shared between equal configurations,
 per-request budgets equal to an engine-wide budget, table, plot and JSON."""
 
 import json
 
 import pytest
 
-import zipage_jax.engine
-from zipage_jax.eval import evaluate, load_items
-from zipage_jax.sweep import ABLATIONS, main, parse_budgets, parse_config, parse_value
+import zipage_jax.engine.llm
+from zipage_jax.entrypoints.eval import evaluate, load_items
+from zipage_jax.benchmarks.sweep import ABLATIONS, main, parse_budgets, parse_config, parse_value
 
 MODEL = "tests/fixtures/hf/qwen3"  # random weights, character tokenizer, no chat template
 DATA = ["synthetic:test:2", "synthetic:interleaved_sums:test:2"]
@@ -40,13 +40,13 @@ def test_bad_options_name_the_option(capsys):
 
 def test_sweep_shares_engines_and_matches_an_engine_wide_budget(tmp_path, monkeypatch, capsys):
     built = []
-    original = zipage_jax.engine.LLM
+    original = zipage_jax.engine.llm.LLM
 
     def counting(*args, **kwargs):
         built.append(kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(zipage_jax.engine, "LLM", counting)
+    monkeypatch.setattr(zipage_jax.engine.llm, "LLM", counting)
     engine = ["--page-size", "16", "--max-num-seqs", "16", "--max-model-len", "192", "--compilation-cache-dir", "none"]
     argv = ["--model", MODEL, "--data", DATA[0], "--data", DATA[1], "--budgets", "3,2", "--max-tokens", "96",
             "--config", "full-kv:compression=false", "--config", "a:global_score=false",

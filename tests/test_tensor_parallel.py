@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import pytest
 
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.bench import collectives
+from zipage_jax.benchmarks.hlo import collectives
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.tasks.export import save_hf_checkpoint
-from zipage_jax.weights import init_random_params
+from zipage_jax.models.weights import init_random_params
 from seeds import fresh_seed, seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per shard

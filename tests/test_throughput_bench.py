@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from zipage_jax import bench, throughput_bench
+from zipage_jax import bench
+from zipage_jax.benchmarks import throughput
+from zipage_jax.benchmarks import throughput as throughput_bench
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def test_small_run_reports_both_modes_in_the_documented_format(small_report, cap
         assert [h["time_s"] for h in r["history"]] == sorted(h["time_s"] for h in r["history"])
         assert sum(r["pages_per_request_peak"]) == workload["requests"]
         assert 0 <= r["compression_time_share_steady"] < 1 and r["hbm_roofline_fraction"] > 0
-        assert set(throughput_bench.HEADER.split()) and throughput_bench.format_row(r).split()[0] == r["mode"]
+        assert set(throughput.HEADER.split()) and throughput.format_row(r).split()[0] == r["mode"]
     full, compressed = report["results"]
     budget = 2  # M of --small: a compressed request holds at most M+1 pages after its first compression
     assert full["num_compressions"] == 0 and compressed["num_compressions"] > 0
@@ -42,14 +44,14 @@ def test_small_run_reports_both_modes_in_the_documented_format(small_report, cap
     assert max(h["pages_per_running_max"] for h in compressed["history"]) <= max(
         budget + 1, -(-workload["prompt_tokens_max"] // 16) + 1)
     assert set(report["ratios"]) >= {"compressed / full (steady)", "compressed / full (incl. start-up)"}
-    text = throughput_bench.format_report(report)
-    assert throughput_bench.HEADER in text and "compressed / full (steady)" in text
+    text = throughput.format_report(report)
+    assert throughput.HEADER in text and "compressed / full (steady)" in text
 
 
-@pytest.mark.parametrize("name", throughput_bench.WORKLOADS)
+@pytest.mark.parametrize("name", throughput.WORKLOADS)
 def test_workloads_have_their_documented_shape(name):
     budget, page, vocab, max_len = 2048, 256, 151936, 32768
-    w = throughput_bench.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
+    w = throughput.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
     assert len(w.prompts) == len(w.max_tokens) == 2000
     assert all(len(p) + m <= max_len and m >= 1 for p, m in zip(w.prompts, w.max_tokens))
     assert all(0 <= t < vocab for p in w.prompts[:20] for t in p)
@@ -62,15 +64,15 @@ def test_workloads_have_their_documented_shape(name):
         assert max(short) < budget // 2 and np.mean(long) >= 4 * budget
     else:
         assert len({tuple(p[:4 * page]) for p in w.prompts}) == 4 and min(map(len, w.prompts)) >= 4 * page
-    again = throughput_bench.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
+    again = throughput.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
     assert again == w  # seeded
 
 
 def test_bad_workload_arguments_raise():
     with pytest.raises(ValueError, match="workload"):
-        throughput_bench.make_workload("nope", 4, 64, 16, 128, 512)
+        throughput.make_workload("nope", 4, 64, 16, 128, 512)
     with pytest.raises(ValueError, match="requests"):
-        throughput_bench.make_workload("reasoning", 0, 64, 16, 128, 512)
+        throughput.make_workload("reasoning", 0, 64, 16, 128, 512)
 
 
 def test_a_failing_peer_is_reported_not_raised(tmp_path):
@@ -79,8 +81,8 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
 
     args = argparse.Namespace(model=None, model_shape="tiny", seed=0, page_size=16, max_num_seqs=4, peer_requests=2,
                               peer_duration=1.0, peer_timeout=120.0)
-    w = throughput_bench.make_workload("reasoning", 4, 32, 16, 256, 256)
-    result = throughput_bench.run_peer(args, w, None, str(tmp_path))
+    w = throughput.make_workload("reasoning", 4, 32, 16, 256, 256)
+    result = throughput.run_peer(args, w, None, str(tmp_path))
     assert result["name"] == "hf" and result["requests"] == 2
     assert "tokens_per_s" not in result and result["error"]
 
@@ -97,12 +99,12 @@ def test_admission_modes_run_compressed_under_that_admission_and_are_compared(mo
         return dict(mode=mode, tokens_per_s={"compressed": 300.0, "compressed-hybrid": 200.0}.get(mode, 100.0))
 
     monkeypatch.setattr(throughput_bench, "run_mode", run_mode)
-    monkeypatch.setattr("zipage_jax.engine.LLMEngine", Engine)
+    monkeypatch.setattr("zipage_jax.engine.llm_engine.LLMEngine", Engine)
     monkeypatch.setattr(throughput_bench, "format_report", lambda report: "")
     parser = argparse.ArgumentParser()
-    throughput_bench.add_arguments(parser)
+    throughput.add_arguments(parser)
     args = parser.parse_args(["--small", "--modes", "compressed", "compressed-hybrid", "compressed-constrained"])
-    report = throughput_bench.main(args)
+    report = throughput.main(args)
     assert [(c.compression, c.admission) for c in built] == [(True, "reserved"), (True, "hybrid"),
                                                              (True, "constrained")]
     assert report["ratios"]["compressed / compressed-hybrid (steady)"] == 1.5

@@ -14,7 +14,7 @@ import numpy as np
 from zipage_jax.models import ModelConfig, forward_dense
 from zipage_jax.tasks import sample_problems
 from zipage_jax.tasks.tokenizer import IM_END_ID, encode_chat
-from zipage_jax.weights import load_hf_weights
+from zipage_jax.models.weights import load_hf_weights
 from seeds import fresh_seed
 
 MODEL = Path(__file__).resolve().parents[1] / "zipage_jax" / "assets" / "tiny-reasoner"

@@ -17,8 +17,8 @@ import pytest
 
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from pallas_kernels.triton_sizing import chunk_tiles, decode_splits, group_rows
-from zipage_jax import attention
-from zipage_jax.attention import BACKENDS, REFERENCE, default_backend_name, resolve_backend
+from zipage_jax.layers import attention
+from zipage_jax.layers.attention import BACKENDS, REFERENCE, default_backend_name, resolve_backend
 from helpers import assert_close
 from seeds import fresh_seed, seeded_rng
 

@@ -13,8 +13,9 @@ from safetensors.numpy import load_file, save_file
 
 from zipage_jax.models import ModelConfig, forward_dense
 from zipage_jax.models.params import param_shapes
-from zipage_jax.sharding import make_mesh, shard_params
-from zipage_jax.weights import init_random_params, load_hf_weights, load_sharded, restore_params, save_params
+from zipage_jax.parallel import make_mesh
+from zipage_jax.models.weights import shard_params
+from zipage_jax.models.weights import init_random_params, load_hf_weights, load_sharded, restore_params, save_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 

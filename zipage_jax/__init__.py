@@ -1,5 +1,10 @@
-"""zipage_jax: JAX + Pallas inference engine with Compressed PagedAttention."""
+"""zipage_jax: JAX + Pallas inference engine with Compressed PagedAttention.
 
+The public names load on first use (PEP 562), so the command lines parse their options, and ``--help`` answers,
+without importing jax.
+"""
+
+import importlib
 import logging
 
 
@@ -12,9 +17,24 @@ class _NoTorchAdvice(logging.Filter):
 
 logging.getLogger("transformers").addFilter(_NoTorchAdvice())
 
-from zipage_jax.config import EngineConfig  # noqa: E402
-from zipage_jax.engine import LLM, LLMEngine  # noqa: E402
-from zipage_jax.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from zipage_jax.sampling import SamplingParams  # noqa: E402
+_EXPORTS = {
+    "LLM": "zipage_jax.engine.llm",
+    "LLMEngine": "zipage_jax.engine.llm_engine",
+    "EngineConfig": "zipage_jax.config",
+    "SamplingParams": "zipage_jax.sampling_params",
+    "RequestOutput": "zipage_jax.engine.outputs",
+    "CompletionOutput": "zipage_jax.engine.outputs",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zipage_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -7,13 +7,41 @@
 import argparse
 import dataclasses
 import os
+import pathlib
 import types
 import typing
 
-from zipage_jax.compression.scoring import POLICIES as EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
-
+DEFAULT_MODEL = str(pathlib.Path(__file__).parent / "assets" / "tiny-reasoner")  # the shipped model
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
+
+
+EVICTION_POLICIES = ("zipage", "window")
+REDUNDANCY_MODES = ("off", "lightning", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringConfig:
+    """Static scoring knobs (hashable: a jit static argument), nested once in ``EngineConfig.scoring``, which
+    validates them; the engine's kwargs and CLI flags name them flat (``eviction_policy=``, ``--window``)."""
+
+    eviction_policy: str = "zipage"
+    window: int = 16
+    sink_tokens: int = 0
+    global_score: bool = True
+    decay: float = 0.8
+    pooling: bool = True
+    pooling_width: int = 5
+    pooling_first_only: bool = True
+    redundancy: str = "lightning"
+    redundancy_weight: float = 0.8
+    similarity_threshold: float = 0.5
+    redundancy_temperature: float = 0.4
+
+    @property
+    def tracks_history(self) -> bool:
+        """Whether the score cache is read (decayed history) and written (kept slots' scores)."""
+        return self.eviction_policy == "zipage" and self.global_score
 
 
 @dataclasses.dataclass(frozen=True)

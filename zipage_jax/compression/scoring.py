@@ -8,40 +8,11 @@ Scores are f32; whatever the knobs, the last ``window`` live slots and the first
 protected (+inf) and everything outside the live range, or in a padding row, is -inf.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.reference import NORM_FLOOR, gather_request_kv
-
-POLICIES = ("zipage", "window")
-REDUNDANCY_MODES = ("off", "lightning", "full")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoringConfig:
-    """Static scoring knobs (hashable: a jit static argument), nested once in ``EngineConfig.scoring``, which
-    validates them; the engine's kwargs and CLI flags name them flat (``eviction_policy=``, ``--window``)."""
-
-    eviction_policy: str = "zipage"
-    window: int = 16
-    sink_tokens: int = 0
-    global_score: bool = True
-    decay: float = 0.8
-    pooling: bool = True
-    pooling_width: int = 5
-    pooling_first_only: bool = True
-    redundancy: str = "lightning"
-    redundancy_weight: float = 0.8
-    similarity_threshold: float = 0.5
-    redundancy_temperature: float = 0.4
-
-    @property
-    def tracks_history(self) -> bool:
-        """Whether the score cache is read (decayed history) and written (kept slots' scores)."""
-        return self.eviction_policy == "zipage" and self.global_score
-
+from zipage_jax.config import ScoringConfig
 
 def _live_mask(num_live, num_slots):
     return jnp.arange(num_slots)[None, :] < num_live[:, None]  # [B, N]

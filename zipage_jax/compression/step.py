@@ -8,12 +8,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from zipage_jax import attention
 from zipage_jax.compression.compaction import scatter_slots
-from zipage_jax.compression.scoring import (
-    POLICIES, REDUNDANCY_MODES, ScoringConfig, paged_redundancy_scores, protect, recency_scores, zipage_scores,
-)
+from zipage_jax.config import ScoringConfig
+from zipage_jax.compression.scoring import paged_redundancy_scores, protect, recency_scores, zipage_scores
 from zipage_jax.compression.selection import select_slots
+from zipage_jax.config import EVICTION_POLICIES, REDUNDANCY_MODES
 
 
 @flax.struct.dataclass
@@ -38,8 +37,8 @@ class CompressionPlan:
 
 def _check(k_pool, score_cache, query_cache, plan, cfg):
     num_layers, _, num_kv_heads, page_size, head_dim = k_pool.shape
-    if cfg.eviction_policy not in POLICIES:
-        raise ValueError(f"cfg.eviction_policy: must be one of {POLICIES} (got {cfg.eviction_policy!r})")
+    if cfg.eviction_policy not in EVICTION_POLICIES:
+        raise ValueError(f"cfg.eviction_policy: must be one of {EVICTION_POLICIES} (got {cfg.eviction_policy!r})")
     if cfg.redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"cfg.redundancy: must be one of {REDUNDANCY_MODES} (got {cfg.redundancy!r})")
     if cfg.eviction_policy == "zipage":
@@ -81,9 +80,8 @@ def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, 
     return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
 
 
-def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale, backend=None):
+def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale, backend):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
-    backend = attention.REFERENCE if backend is None else backend
     _check(k_pool, score_cache, query_cache, plan, cfg)
     per_layer = jax.lax.map(
         lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)[0],
@@ -93,14 +91,13 @@ def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_s
 
 
 def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cfg: ScoringConfig, sm_scale,
-             backend=None):
+             backend):
     """Compress every valid request of ``plan``: per (layer, KV head) keep the top ``M * S`` slots.
 
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the
-    ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run; None:
-    the jnp reference) static and the three caches donated.
+    ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run) static and the three caches donated.
     Every valid row must have ``num_src_pages >= M + 1`` full pages.
 
     Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
@@ -111,7 +108,6 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
     """
-    backend = attention.REFERENCE if backend is None else backend
     _check(k_pool, score_cache, query_cache, plan, cfg)
     keep = plan.dst_tables.shape[1] * k_pool.shape[3]
 

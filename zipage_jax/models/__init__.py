@@ -1,8 +1,8 @@
 """Functional llama-family models: config, layer-stacked params, dense and paged forward passes."""
 
-from .config import Llama3RopeScaling, ModelConfig
-from .params import LayerParams, Params, ServingLayer, ServingParams, to_serving
-from .transformer import PagedBatch, forward_dense, forward_paged
+from zipage_jax.models.config import Llama3RopeScaling, ModelConfig
+from zipage_jax.models.params import LayerParams, Params, ServingLayer, ServingParams, to_serving
+from zipage_jax.models.transformer import PagedBatch, forward_dense, forward_paged
 
 __all__ = [
     "Llama3RopeScaling",

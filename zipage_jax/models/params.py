@@ -15,6 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zipage_jax.parallel import AXIS
 
 
 @struct.dataclass
@@ -151,3 +154,23 @@ def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
         else:
             fields[field] = fuse_columns(values, shards)
     return ServingLayer(**fields)
+
+
+def param_shardings(params: ServingParams, mesh: Mesh) -> ServingParams:
+    """Column-parallel fused q/k/v and gate/up (and the bias), row-parallel o/down, everything else replicated.
+    The fused columns are grouped per shard (see ``ServingLayer``), so an even split gives each shard its heads."""
+    def spec(*axes):
+        return NamedSharding(mesh, P(*axes))
+
+    rep = spec()
+    column, row = spec(None, AXIS), spec(AXIS, None)
+
+    def maybe(value, sharding):
+        return None if value is None else sharding
+
+    return params.replace(
+        embed=rep, final_norm=rep, lm_head=maybe(params.lm_head, rep),
+        layers=tuple(ServingLayer(
+            input_norm=rep, post_norm=rep, qkv_proj=column, o_proj=row, gate_up_proj=column, down_proj=row,
+            qkv_bias=maybe(layer.qkv_bias, spec(AXIS)), q_norm=maybe(layer.q_norm, rep),
+            k_norm=maybe(layer.k_norm, rep)) for layer in params.layers))

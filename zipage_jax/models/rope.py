@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import Llama3RopeScaling
+from zipage_jax.models.config import Llama3RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:

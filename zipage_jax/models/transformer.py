@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .config import ModelConfig
-from .params import LayerParams, Params, ServingLayer, ServingParams, unfuse_columns
-from .rope import apply_rope, rope_cos_sin
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.models.params import LayerParams, Params, ServingLayer, ServingParams, unfuse_columns
+from zipage_jax.models.rope import apply_rope, rope_cos_sin
 
 
 @struct.dataclass

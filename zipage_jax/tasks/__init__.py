@@ -4,8 +4,8 @@
 ``question``, ``answer``, ``split`` and ``solution()``.
 """
 
-from . import interleaved_sums, repeated_addition
-from .repeated_addition import Problem, boxed_answer, sample_problems
+from zipage_jax.tasks import interleaved_sums, repeated_addition
+from zipage_jax.tasks.repeated_addition import Problem, boxed_answer, sample_problems
 
 TASKS = {"repeated_addition": repeated_addition.sample_problems, "interleaved_sums": interleaved_sums.sample_problems}
 

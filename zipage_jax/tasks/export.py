@@ -1,6 +1,6 @@
 """Write Params as a HF-layout checkpoint (config.json, model.safetensors, tokenizer, generation config).
 
-The inverse of `zipage_jax.weights.load_hf_weights`: HF tensor names, matrices as [out, in].
+The inverse of `zipage_jax.models.weights.load_hf_weights`: HF tensor names, matrices as [out, in].
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..models.params import Params
-from ..weights import HF_LAYER_TENSORS
-from .tokenizer import IM_END_ID, PAD_ID, save_tokenizer
+from zipage_jax.models.params import Params
+from zipage_jax.models.weights import HF_LAYER_TENSORS
+from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, save_tokenizer
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 

@@ -21,7 +21,7 @@ import hashlib
 
 import numpy as np
 
-from .repeated_addition import SPLITS, SUM_DIGITS, TEST_FRACTION_INV, boxed_answer
+from zipage_jax.tasks.repeated_addition import SPLITS, SUM_DIGITS, TEST_FRACTION_INV, boxed_answer
 
 A_DIGITS = 5
 B_MIN, B_MAX = 16, 30

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .tokenizer import PAD_ID, encode_chars, encode_chat
+from zipage_jax.tasks.tokenizer import PAD_ID, encode_chars, encode_chat
 
 SEQ_LEN = 832  # longest prompt + solution + <|im_end|> is 822 tokens
 # Recent tokens an eviction row keeps (inclusive bounds): the last boxed digit copies a digit 20 tokens back, so

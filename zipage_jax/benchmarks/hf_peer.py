@@ -1,6 +1,6 @@
 """The peer of ``bench throughput``: HF transformers' continuous batching (paged attention) on the same requests.
 
-    python -m zipage_jax.hf_peer SPEC.json OUT.json
+    python -m zipage_jax.benchmarks.hf_peer SPEC.json OUT.json
 
 Run by ``throughput_bench.run_peer`` in a subprocess, before the JAX process takes the device's memory. SPEC holds
 the model (a checkpoint directory, or a ``bench.MODEL_SHAPES`` name for random bf16 weights made on the device),
@@ -20,7 +20,7 @@ def build_model(spec):
 
     if spec["model"]:
         return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to("cuda")
-    from zipage_jax.bench import MODEL_SHAPES
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 
     s = MODEL_SHAPES[spec["model_shape"]]
     config = Qwen3Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,

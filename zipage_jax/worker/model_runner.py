@@ -26,17 +26,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from zipage_jax import device_state, kv_cache, packing, sharding
-from zipage_jax.attention import AttentionBackend
-from zipage_jax.compression import CompressionPlan, compress
+from zipage_jax.worker import device_state
+from zipage_jax.worker import kv_cache
+from zipage_jax.worker import packing
+from zipage_jax import parallel
+from zipage_jax.layers.attention import AttentionBackend
+from zipage_jax.compression.step import CompressionPlan, compress
 from zipage_jax.config import EngineConfig
-from zipage_jax.device_state import DeviceState
+from zipage_jax.worker.device_state import DeviceState
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models import PagedBatch, forward_paged
-from zipage_jax.programs import Program, Programs
-from zipage_jax.request import PENDING
-from zipage_jax.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
-from zipage_jax.scheduler import SchedulerOutput
+from zipage_jax.worker.programs import Program, Programs
+from zipage_jax.core.request import PENDING
+from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.layers.sampler import SamplingRow, SamplingTensors, sample
+from zipage_jax.core.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0)
 # Compiler options of every engine program. XLA's rematerialization pass compares a program's footprint with a
@@ -128,8 +132,8 @@ def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, 
         return compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, sm_scale, backend=backend)
 
     if mesh.size > 1:
-        heads, scores = sharding.KV_HEADS, sharding.KV_HEADS if cfg.global_score else P()  # as allocated
-        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, sharding.QUERY_HEADS, P()),
+        heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.global_score else P()  # as allocated
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P()),
                             out_specs=(heads, heads, scores), check_vma=False)
     k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
                                       packing.unpack(packed, spec))
@@ -178,7 +182,7 @@ class ModelRunner:
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)
         self.compression_seconds = 0.0  # device time of the compressions dispatched (measured or estimated)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
-        self.replicated = sharding.replicated(mesh)  # where each step's packed integers go
+        self.replicated = parallel.replicated(mesh)  # where each step's packed integers go
         self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
         self.prefill_token_sizes = bucket_sizes(min(max(16, config.max_num_batched_tokens // 16),
                                                     config.max_num_batched_tokens), config.max_num_batched_tokens)

@@ -1,4 +1,4 @@
-"""LLMEngine (add_request / step / abort_request) and the offline ``LLM`` API, shaped like vLLM's.
+"""LLMEngine (add_request / step / abort_request), shaped like vLLM's.
 
 One ``step()``: schedule on the host → dispatch the jitted step(s) without waiting → read back the previous
 step's sampled tokens → accept them, check stops (``stopping.check_stop``), free finished requests → return
@@ -17,25 +17,26 @@ import time
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm  # the text bar: tqdm.auto warns in notebooks without ipywidgets
 
-from zipage_jax import kv_cache, sharding, weights
-from zipage_jax.attention import resolve_backend, sharded
-from zipage_jax.page_manager import PageManager
-from zipage_jax.compile_counter import CompileCounter
-from zipage_jax.config import EngineConfig
-from zipage_jax.detokenizer import IncrementalDetokenizer
+from zipage_jax import parallel
+from zipage_jax.config import DEFAULT_MODEL, EngineConfig
+from zipage_jax.core.page_manager import PageManager
+from zipage_jax.core.request import Request, RequestStatus
+from zipage_jax.core.scheduler import Scheduler
+from zipage_jax.core.stopping import check_stop
+from zipage_jax.engine.detokenizer import IncrementalDetokenizer
+from zipage_jax.engine.metrics import MetricsHistory
+from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from zipage_jax.layers.attention import resolve_backend, sharded
+from zipage_jax.models import weights
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.outputs import CompletionOutput, RequestOutput
-from zipage_jax.request import Request, RequestStatus
-from zipage_jax.runner import ModelRunner, Runner
-from zipage_jax.sampling import SamplingParams
-from zipage_jax.scheduler import Scheduler
-from zipage_jax.stopping import check_stop
+from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker import kv_cache
+from zipage_jax.worker.compile_counter import CompileCounter
+from zipage_jax.worker.model_runner import ModelRunner, Runner
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = str(pathlib.Path(__file__).parent / "assets" / "tiny-reasoner")
 RATE_WINDOW_S = 10.0
 
 
@@ -56,7 +57,7 @@ class LLMEngine:
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
-        sharding.join_processes(config)  # before any device query
+        parallel.join_processes(config)  # before any device query
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -102,11 +103,11 @@ class LLMEngine:
         """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""
         config, model_cfg = self.config, self.model_cfg
         self.dtype = resolve_dtype(config.dtype, model_cfg)
-        self.mesh = sharding.make_mesh(config.tensor_parallel_size, model_cfg)
+        self.mesh = parallel.make_mesh(config.tensor_parallel_size, model_cfg)
         if params is None:  # straight into the shards: no device holds more than its own
             self.params = weights.load_sharded(config.model, model_cfg, self.dtype, self.mesh)
         else:
-            self.params = sharding.shard_params(params, self.mesh)
+            self.params = weights.shard_params(params, self.mesh)
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
@@ -321,9 +322,14 @@ class LLMEngine:
     def warmup(self, progress=None) -> dict:
         """Compile every shape bucket now (in parallel), so no request waits on a compile later.
 
-        ``progress(done, total, name, seconds)`` is called as each program finishes compiling (default: log it).
-        Returns the number of programs and the wall seconds compiling them took."""
-        report = self.runner.warmup(progress)
+        Each compile is logged; ``progress(done, total, name, seconds)``, if given, is called too (a progress bar,
+        the server's health state). Returns the number of programs and the wall seconds compiling them took."""
+        def logged(*args):
+            log_compile(*args)
+            if progress is not None:
+                progress(*args)
+
+        report = self.runner.warmup(logged)
         self.history.mark_steady(self)
         log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
         return report
@@ -331,163 +337,3 @@ class LLMEngine:
 
 def log_compile(done: int, total: int, name: str, seconds: float):
     log.info("compiling %d/%d: %s (%.1fs)", done, total, name, seconds)
-
-
-class MetricsHistory:
-    """Scheduler state over time: one sample every ``interval`` engine steps, rates over the last interval."""
-
-    MAX_SAMPLES = 4096
-
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.samples = collections.deque(maxlen=self.MAX_SAMPLES)
-        self.start = time.perf_counter()
-        self._last = (self.start, 0, 0.0)  # time, decode tokens, compression seconds
-        self._steady = (self.start, 0.0, 0.0)  # time, compression seconds, compile wall seconds
-
-    def compression_share(self, engine) -> float:
-        """Device seconds spent compressing per wall second since the engine started."""
-        return engine.runner.compression_seconds / max(time.perf_counter() - self.start, 1e-9)
-
-    def mark_steady(self, engine):
-        """Steady state starts now (the end of warm-up): what came before is start-up."""
-        self._steady = (time.perf_counter(), engine.runner.compression_seconds, engine.runner.programs.compile_wall_s)
-
-    def steady_compression_share(self, engine) -> float:
-        """Device seconds spent compressing per wall second of steady state: since warm-up ended (or the engine
-        started, without one), less the time compiling programs met after it."""
-        then, compressing, compiling = self._steady
-        wall = time.perf_counter() - then - (engine.runner.programs.compile_wall_s - compiling)
-        return (engine.runner.compression_seconds - compressing) / max(wall, 1e-9)
-
-    def maybe_sample(self, engine):
-        steps = engine.totals["steps"]
-        if not self.interval or steps % self.interval:
-            return
-        now = time.perf_counter()
-        then, decoded, compressing = self._last
-        span = max(now - then, 1e-9)
-        s, bm = engine.scheduler, engine.page_manager
-        self.samples.append(dict(
-            time_s=now - self.start, step=steps, num_running=len(s.running), num_waiting=len(s.waiting),
-            num_stalled=s.num_stalled, num_swapped=len(s.swapped), kv_pages_used=bm.num_used_pages,
-            page_occupancy=bm.num_used_pages / (bm.num_pages - 1),
-            query_rows_used=s.num_query_rows - len(s.free_query_rows),
-            decode_tokens_per_s=(engine.totals["decode_tokens"] - decoded) / span,
-            compression_time_share=(engine.runner.compression_seconds - compressing) / span,
-            num_preemptions=s.num_preemptions, num_swaps=s.num_swaps, num_compressions=engine.totals["compressions"]))
-        self._last = (now, engine.totals["decode_tokens"], engine.runner.compression_seconds)
-
-
-class LLM:
-    """Offline batch generation: ``LLM(model).generate(prompts, sampling_params)``."""
-
-    def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine.from_kwargs(model, **engine_kwargs)
-        self._ids = itertools.count()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def metrics(self) -> dict:
-        return self.engine.metrics()
-
-    def warmup(self, use_tqdm: bool = True) -> dict:
-        """Compile every program the engine can need (see ``LLMEngine.warmup``), with a progress bar."""
-        with tqdm(desc="compiling", unit="program", disable=not use_tqdm) as bar:
-            def progress(done, total, name, seconds):
-                bar.total = total
-                bar.set_postfix_str(name)
-                bar.update(1)
-            return self.engine.warmup(progress)
-
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Like vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list of
-        them, rendered with the tokenizer's chat template (or ``chat_template``), then generated; one
-        ``RequestOutput`` per conversation."""
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise ValueError("chat_template: the tokenizer has none; pass chat_template= or use generate()")
-        prompts = []
-        for i, conversation in enumerate(conversations):
-            if not isinstance(conversation, (list, tuple)) or not all(
-                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in conversation):
-                raise ValueError(f"messages[{i}]: a conversation is a list of {{'role', 'content'}} dicts")
-            prompts.append(self.tokenizer.apply_chat_template(list(conversation), chat_template=template,
-                                                              add_generation_prompt=add_generation_prompt,
-                                                              tokenize=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in input order (``n`` completions each)."""
-        prompts = _normalize_prompts(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
-            per_prompt = list(sampling_params)
-        else:
-            per_prompt = [sampling_params or SamplingParams()] * len(prompts)
-        groups, added = [], []
-        try:
-            for prompt, params in zip(prompts, per_prompt):
-                base = f"gen-{next(self._ids)}"
-                ids = []
-                for j in range(params.n if params else 1):
-                    sub = dataclasses.replace(params, seed=params.seed + j) if params.seed is not None and j else params
-                    self.engine.add_request(f"{base}-{j}", prompt, sub)
-                    ids.append(f"{base}-{j}")
-                    added.append(f"{base}-{j}")
-                groups.append(ids)
-        except Exception:
-            for request_id in added:
-                self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step(only_finished=True)
-            raise
-        finals: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm or not added, unit="req")
-        programs = self.engine.runner.programs
-        start, compiled_before, generated = time.perf_counter(), programs.compile_wall_s, 0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step(only_finished=True):
-                if out.request_id in added and out.request_id not in finals:
-                    finals[out.request_id] = out
-                    generated += len(out.outputs[0].token_ids)
-                    bar.update(1)
-                    # compiles on first use are reported apart, so the rate is the steady generation rate
-                    compiling = programs.compile_wall_s - compiled_before
-                    generating = max(time.perf_counter() - start - compiling, 1e-9)
-                    bar.set_postfix_str(f"{generated / generating:.1f} tok/s"
-                                        + (f", compiled {compiling:.1f}s" if compiling else ""))
-        bar.close()
-        results = []
-        for ids in groups:
-            first = finals[ids[0]]
-            completions = []
-            for j, request_id in enumerate(ids):
-                c = finals[request_id].outputs[0]
-                c.index = j
-                completions.append(c)
-            results.append(RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt, first.prompt_token_ids,
-                                         completions, True, first.metrics))
-        return results
-
-
-def _normalize_prompts(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one tokenized prompt
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"prompts[{i}]: expected str or list of token ids, got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]

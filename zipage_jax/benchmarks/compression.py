@@ -1,7 +1,7 @@
 """GPU benchmark of one compression of a batch of requests (docs/ARCHITECTURE.md, Compression) at a model's shapes,
 with random weights and KV, in one process:
 
-    python -m zipage_jax.compression.bench --comp-batch 64,256 --comp-reps 5 --json out.json
+    python -m zipage_jax.bench compression --comp-batch 64,256 --comp-reps 5 --json out.json
 
 The scoring kernels (window attention, lightning redundancy) against their jnp references (one layer), the
 selection with the sorted and the kernel threshold (one layer), compaction variants (one layer), the whole jitted
@@ -26,11 +26,12 @@ from pallas_kernels.redundancy import lightning_row_sums, smem_bytes as redundan
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import default_block_kv, scratch_bytes, smem_bytes, window_scores
 from pallas_kernels.selection import selection_threshold
-from zipage_jax import weights
-from zipage_jax.attention import REFERENCE, AttentionBackend, resolve_backend
-from zipage_jax.bench import MODEL_SHAPES
+from zipage_jax.models import weights
+from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
+from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
-from zipage_jax.compression.scoring import ScoringConfig, paged_window_attention, redundancy_row_sums
+from zipage_jax.config import ScoringConfig
+from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
 from zipage_jax.compression.selection import select_slots, sorted_threshold
 from zipage_jax.compression.step import CompressionPlan, compress
 from zipage_jax.models import PagedBatch, forward_paged, to_serving
@@ -305,7 +306,7 @@ def print_compression_table(rows):
 
 def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench compression", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="bench_compression.json", help="where to write all rows")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds after which no new batch is started (the rows so far are still written)")

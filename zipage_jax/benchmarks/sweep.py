@@ -1,6 +1,6 @@
-"""Accuracy against KV budget for several scoring configurations in one process: `python -m zipage_jax.sweep`.
+"""Accuracy against KV budget for several scoring configurations in one process: `python -m zipage_jax.bench sweep`.
 
-    python -m zipage_jax.sweep --data synthetic:test:200 --data synthetic:interleaved_sums:test:200 \\
+    python -m zipage_jax.bench sweep --data synthetic:test:200 --data synthetic:interleaved_sums:test:200 \\
         --budgets 4,6,9,19 --page-size 16 --output sweep.json --plot sweep.png
 
 A configuration is a set of `EngineConfig` overrides (`--config NAME:field=value,field=value`, e.g.
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from zipage_jax.answers import is_correct
+from zipage_jax.entrypoints.answers import is_correct
 from zipage_jax.config import EngineConfig, add_engine_options, option_fields
 from zipage_jax.config import engine_kwargs as set_options
-from zipage_jax.eval import DEFAULT_MAX_TOKENS, _option_error, format_prompt, load_items
+from zipage_jax.entrypoints.eval import DEFAULT_MAX_TOKENS, _option_error, format_prompt, load_items
 
 FULL_KV = "full-kv"
 ABLATIONS = {  # name -> EngineConfig overrides (the engine's other defaults apply)
@@ -99,7 +99,7 @@ def run_config(llm, datasets: dict[str, list[dict]], budgets: list[int | None], 
 
     A budget of None runs the engine's own (full KV when compression is off). Greedy decoding.
     """
-    from zipage_jax.sampling import SamplingParams
+    from zipage_jax.sampling_params import SamplingParams
 
     cells, prompts, params = [], [], []
     for data, items in datasets.items():
@@ -131,7 +131,7 @@ def sweep(model: str, datasets: dict[str, list[dict]], configs: dict[str, dict],
           use_tqdm: bool = False) -> dict:
     """Run the grid; `on_config(report)` after each configuration. Configurations with equal engine kwargs
     share one engine; past `deadline_s` seconds the remaining configurations are skipped (listed)."""
-    from zipage_jax.engine import LLM
+    from zipage_jax.engine.llm import LLM
 
     base = dict(base or {})
     report = {"model": model, "data": list(datasets), "budgets": budgets, "page_size": None,
@@ -228,9 +228,9 @@ def plot(report: dict, path=None):
 
 # -- command line -----------------------------------------------------------------------------------------------
 def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
-    from zipage_jax.engine import DEFAULT_MODEL
+    from zipage_jax.config import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="python -m zipage_jax.sweep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench sweep", description=__doc__.splitlines()[0])
     sw = parser.add_argument_group("sweep")
     sw.add_argument("--model", default=DEFAULT_MODEL, help="HF-layout model directory (default: the shipped model)")
     sw.add_argument("--data", action="append", required=True,

@@ -9,7 +9,8 @@ import flax.struct
 import jax
 import numpy as np
 
-from zipage_jax import kv_cache, sharding
+from zipage_jax.worker import kv_cache
+from zipage_jax import parallel
 
 
 @flax.struct.dataclass
@@ -24,8 +25,8 @@ class DeviceState:
 def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
     """The zeroed state, committed to its shardings (pools and caches over heads, the token buffer replicated)."""
     k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.page_size, dtype,
-                                            sharding.kv_head_sharding(mesh))
+                                            parallel.kv_head_sharding(mesh))
     query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_rows,
                                                                    dtype, mesh)
-    token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), sharding.replicated(mesh))
+    token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
     return DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)

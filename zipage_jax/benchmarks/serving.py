@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from zipage_jax.throughput_bench import WORKLOADS, make_workload
+from zipage_jax.benchmarks.throughput import WORKLOADS, make_workload
 
 PERCENTILES = (50, 90, 99)
 

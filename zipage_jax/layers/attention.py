@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zipage_jax.sharding import AXIS, KV_HEADS
+from zipage_jax.parallel import AXIS, KV_HEADS
 
 from pallas_kernels import reference
 from zipage_jax.compression import compaction, scoring, selection

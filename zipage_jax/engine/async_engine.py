@@ -12,8 +12,6 @@ import queue
 import threading
 import time
 
-from zipage_jax.engine import log_compile
-
 log = logging.getLogger(__name__)
 
 FAILURE_BACKOFF_S = 0.05  # pause after an engine exception so a persistent fault cannot spin the CPU
@@ -194,7 +192,6 @@ class AsyncEngine:
         """Compile every program before serving; meanwhile ``startup`` says how far it got (for /health)."""
         def progress(done, total, name, seconds):
             self.startup = f"compiled {done}/{total} programs, last: {name}"
-            log_compile(done, total, name, seconds)
 
         self.startup = "compiling programs"
         try:

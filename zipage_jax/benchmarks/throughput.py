@@ -19,7 +19,7 @@ from generation; the generation window starts when the requests are added and en
 Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random weights of a real model's shapes,
 made in device memory: ``weights.init_random_params``; the tokenizer is the shipped model's, prompts are ids).
 ``--peer hf`` first runs the same requests through HF transformers' continuous batching in a subprocess on the
-same device (``zipage_jax.hf_peer``), before this process touches the accelerator.
+same device (``zipage_jax.benchmarks.hf_peer``), before this process touches the accelerator.
 """
 
 import dataclasses
@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.sampling_params import SamplingParams
 
 WORKLOADS = ("reasoning", "mixed", "prefix")
 MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
@@ -115,8 +115,8 @@ def random_model_dir(shape: str, directory: str) -> str:
     the weights (which come from memory)."""
     from transformers import Qwen3Config
 
-    from zipage_jax.bench import MODEL_SHAPES
-    from zipage_jax.engine import DEFAULT_MODEL
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+    from zipage_jax.config import DEFAULT_MODEL
 
     s = MODEL_SHAPES[shape]
     Qwen3Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
@@ -141,7 +141,7 @@ def param_bytes(params, model_cfg, dtype) -> tuple[int, int]:
 def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
              sample_interval_s: float = 1.0, progress=print) -> dict:
     """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``."""
-    from zipage_jax import kv_cache
+    from zipage_jax.worker import kv_cache
 
     t0 = time.perf_counter()
     engine = make_engine(mode)
@@ -361,7 +361,7 @@ def main(args) -> dict:
         for key, value in SMALL.items():
             setattr(args, key, value)
     budget_tokens = args.kv_budget_pages * args.page_size
-    from zipage_jax.bench import MODEL_SHAPES
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
     from zipage_jax.models.config import ModelConfig
 
     if args.model:
@@ -391,9 +391,9 @@ def main(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from zipage_jax import weights
+    from zipage_jax.models import weights
     from zipage_jax.config import EngineConfig
-    from zipage_jax.engine import LLMEngine
+    from zipage_jax.engine.llm_engine import LLMEngine
 
     model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
     dtype = jnp.dtype(model_cfg.dtype)
@@ -448,7 +448,7 @@ def run_peer(args, workload: Workload, model_cfg, tmp: str) -> dict:
         json.dump(spec, f)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "zipage_jax.hf_peer", spec_path, out_path],
+        proc = subprocess.run([sys.executable, "-m", "zipage_jax.benchmarks.hf_peer", spec_path, out_path],
                               timeout=args.peer_timeout, capture_output=True, text=True)
         tail = (proc.stdout + proc.stderr)[-3000:]
     except subprocess.TimeoutExpired as e:

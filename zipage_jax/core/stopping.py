@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from zipage_jax.request import RequestStatus
-from zipage_jax.sampling import SamplingParams
+from zipage_jax.core.request import RequestStatus
+from zipage_jax.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,12 +20,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .models.config import ModelConfig
-from .models.params import (SERVING_LAYER_PARTS, Params, ServingLayer, ServingParams, param_shapes,
-                            params_from_flat, to_serving)
-from .sharding import param_shardings
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.models.params import (SERVING_LAYER_PARTS, Params, ServingLayer, ServingParams, param_shapes,
+                                      param_shardings, params_from_flat, to_serving)
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -183,7 +182,7 @@ def _check_all_used(ckpt: SafetensorsCheckpoint, used: set[str], cfg: ModelConfi
 
 
 def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
-    """The engine's weights: ``sharding.shard_params(load_hf_weights(path, cfg, dtype), mesh)``, without a full
+    """The engine's weights: ``shard_params(load_hf_weights(path, cfg, dtype), mesh)``, without a full
     copy on one device.
 
     Each weight is made by ``jax.make_array_from_callback`` in the checkpoint's layout and dtype, sharded as its
@@ -326,3 +325,9 @@ def restore_params(directory, cfg: ModelConfig, device=None) -> Params:
             if shape is not None:
                 abstract[field] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)
         return checkpointer.restore(directory, params_from_flat(abstract))
+
+
+def shard_params(params: Params, mesh: Mesh) -> ServingParams:
+    """The engine's weights: ``params`` in the serving layout (fused per shard of ``mesh``), placed on it."""
+    serving = to_serving(params, mesh.size)
+    return jax.device_put(serving, param_shardings(serving, mesh))

@@ -4,12 +4,12 @@ Layout ``[L, num_pages, Hkv, S, D]`` for K and for V: a (page, head) tile is one
 what both the TMA loads of the kernels and per-head compaction want. Page 0 is the null page.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from zipage_jax import attention, sharding
+from zipage_jax.core.memory_plan import MemoryPlan
+from zipage_jax.layers import attention
+from zipage_jax import parallel
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
@@ -75,38 +75,6 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
         per_slot = c.num_kv_heads * (2 * c.head_dim * it + 8 * 4 + keys_and_similarities) + 2 * c.num_heads * 4
     history = slots * c.num_kv_heads * 4 * 2 if config.scoring.global_score else 0
     return int(slots * per_slot + history)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What ``plan_memory`` decided: the pool, the query rows and the concurrency they allow, and the bytes
-    behind each (the engine logs them; the server's metrics report them). Bytes are per device: under tensor
-    parallelism each device holds its share of the heads of every page and query row."""
-
-    max_model_len: int
-    dtype: jnp.dtype  # of the KV pool and the query cache
-    budget_source: str  # num_gpu_pages_override, kv_cache_memory_bytes, device or cpu_default
-    budget_bytes: int | None
-    reserved_step_scratch_bytes: int
-    reserved_compression_scratch_bytes: int
-    reserved_swap_bytes: int
-    step_scratch_bytes: int
-    compression_scratch_bytes: int
-    page_bytes: int
-    num_pages: int
-    pool_bytes: int
-    query_row_bytes: int
-    num_query_rows: int  # C (0 with compression off): the one place this is decided
-    query_cache_bytes: int
-    max_compression_pages: int  # 0 with compression off
-    pages_per_seq: int
-    max_concurrency: int
-    max_compressed_concurrency: int
-    full_length_concurrency: int
-
-    def as_dict(self) -> dict:
-        """The plan as JSON-ready numbers (the dtype by name)."""
-        return {**dataclasses.asdict(self), "dtype": jnp.dtype(self.dtype).name}
 
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int,
@@ -212,9 +180,9 @@ def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows
         s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.page_size)
     else:
         s_shape = (1, 1, 1, 1)
-    q_sharding = sharding.query_head_sharding(mesh) if config.compression else sharding.replicated(mesh)
-    s_sharding = sharding.kv_head_sharding(mesh) if config.compression and config.scoring.global_score \
-        else sharding.replicated(mesh)
+    q_sharding = parallel.query_head_sharding(mesh) if config.compression else parallel.replicated(mesh)
+    s_sharding = parallel.kv_head_sharding(mesh) if config.compression and config.scoring.global_score \
+        else parallel.replicated(mesh)
     make = jax.jit(lambda: (jnp.zeros(q_shape, dtype), jnp.zeros(s_shape, jnp.float32)),
                    out_shardings=(q_sharding, s_sharding))
     return make()

@@ -32,14 +32,12 @@ host waits for it, and its requests decode in the same step.
 import bisect
 import collections
 import dataclasses
-import typing
 
-from zipage_jax.page_manager import PageManager
-from zipage_jax.request import Request, RequestStatus
+from zipage_jax.core.page_manager import PageManager
+from zipage_jax.core.request import Request, RequestStatus
 
-if typing.TYPE_CHECKING:  # the scheduler is plain Python: no jax import for its annotations
-    from zipage_jax.config import EngineConfig
-    from zipage_jax.kv_cache import MemoryPlan
+from zipage_jax.config import EngineConfig
+from zipage_jax.core.memory_plan import MemoryPlan
 
 
 @dataclasses.dataclass
@@ -86,7 +84,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, page_manager: PageManager, config: "EngineConfig", plan: "MemoryPlan"):
+    def __init__(self, page_manager: PageManager, config: EngineConfig, plan: MemoryPlan):
         """``plan`` gives the query rows and the compression bound (``max_compression_pages``; None: none)."""
         self.page_manager = page_manager
         self.compression = config.compression

@@ -1,4 +1,4 @@
-"""Sampling: host-side `SamplingParams`, device-side `SamplingTensors` and the jittable `sample()`.
+"""Device-side sampling: `SamplingTensors` (a batch's per-row settings as arrays) and the jittable `sample()`.
 
 The pipeline follows vLLM's sampler order so results match what vLLM users expect:
 min-tokens bans -> repetition / frequency / presence penalties -> greedy argmax (temperature 0 rows)
@@ -8,9 +8,7 @@ Logprobs are taken from the raw logits, before any of these steps.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -20,140 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-# Below this a temperature is indistinguishable from argmax and only risks overflow (vLLM uses the same).
-GREEDY_TEMPERATURE = 1e-5
-_PENALTY_RANGE = (-2.0, 2.0)
+from zipage_jax.sampling_params import SamplingParams, check_int, check_token_ids
+
 BAN_WIDTH = 8  # banned ids a row holds (EOS and stop ids below min_tokens): one shape for the usual case
 MIN_HISTORY_WIDTH = 256  # penalized rows' history: one shape for short histories instead of one per doubling
-
-
-def _real(name: str, value, lo: float | None = None, hi: float | None = None,
-          lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    value = float(value)
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
-    return value
-
-
-def _int(name: str, value, lo: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return value
-
-
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """Per-request sampling settings with vLLM's names and defaults; validated on construction.
-
-    `stop` is normalized to a tuple of strings, `stop_token_ids` to a tuple of ints, `top_k=-1` to 0
-    (disabled) and `logprobs` to None (off) or 0 (return the sampled token's logprob).
-    Use `dataclasses.replace(params, ...)` to derive a modified copy (it is validated again).
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logprobs: bool | int | None = None
-    skip_special_tokens: bool = True
-    kv_budget_pages: int | None = None
-
-    def __post_init__(self):
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put("n", _int("n", self.n, lo=1))
-        put("temperature", _real("temperature", self.temperature, lo=0.0))
-        put("top_p", _real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
-        top_k = _int("top_k", self.top_k, lo=-1)
-        put("top_k", max(top_k, 0))
-        put("min_p", _real("min_p", self.min_p, lo=0.0, hi=1.0))
-        put("repetition_penalty",
-            _real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True))
-        put("presence_penalty", _real("presence_penalty", self.presence_penalty, *_PENALTY_RANGE))
-        put("frequency_penalty", _real("frequency_penalty", self.frequency_penalty, *_PENALTY_RANGE))
-        if self.seed is not None:
-            seed = _int("seed", self.seed)
-            if not -(2**63) <= seed < 2**64:
-                raise ValueError(f"seed must fit in 64 bits, got {seed}")
-            put("seed", seed)
-        put("stop", _stop_strings(self.stop))
-        put("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        put("max_tokens", _int("max_tokens", self.max_tokens, lo=1))
-        put("min_tokens", _int("min_tokens", self.min_tokens, lo=0))
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
-        put("logprobs", _logprobs(self.logprobs))
-        put("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
-        if self.kv_budget_pages is not None:
-            put("kv_budget_pages", _int("kv_budget_pages", self.kv_budget_pages, lo=1))
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0 (or below `GREEDY_TEMPERATURE`): argmax after penalties."""
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
-
-
-def _stop_strings(stop) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    items = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(items, Iterable):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    items = tuple(items)
-    for s in items:
-        if not isinstance(s, str):
-            raise ValueError(f"stop must contain only strings, got {s!r}")
-        if not s:
-            raise ValueError("stop must not contain an empty string")
-    return items
-
-
-def _token_ids(name: str, ids) -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
-    return tuple(_int(name, i, lo=0) for i in ids)
-
-
-def _logprobs(value) -> int | None:
-    if value is None or value is False:
-        return None
-    if value is True or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                         and value == 0):
-        return 0
-    raise ValueError(f"logprobs must be None, True or 0 (the sampled token's logprob), got {value!r}")
-
 
 class SamplingRow(NamedTuple):
     """What the host knows about one row of a sampling batch."""
@@ -212,11 +80,11 @@ class SamplingTensors:
         programs) few. The per-row work is a few numpy conversions, not Python per field: this runs every step.
         """
         rows = [SamplingRow(*r) for r in rows]
-        vocab_size = _int("vocab_size", vocab_size, lo=1)
-        b = len(rows) if batch_size is None else _int("batch_size", batch_size, lo=1)
+        vocab_size = check_int("vocab_size", vocab_size, lo=1)
+        b = len(rows) if batch_size is None else check_int("batch_size", batch_size, lo=1)
         if b < len(rows):
             raise ValueError(f"batch_size ({b}) must be >= the number of rows ({len(rows)})")
-        eos = _token_ids("eos_token_ids",
+        eos = check_token_ids("eos_token_ids",
                          (eos_token_ids,) if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids)
         params = [r.params for r in rows]
         if not all(isinstance(p, SamplingParams) for p in params):
@@ -241,7 +109,7 @@ class SamplingTensors:
         longest = max((len(a) + len(o) for a, o in histories.values()), default=0)
         w = max(MIN_HISTORY_WIDTH, _next_pow2(longest)) if penalized else 1
         if history_width is not None:
-            w = _int("history_width", history_width, lo=1)
+            w = check_int("history_width", history_width, lo=1)
             if w < longest:
                 raise ValueError(f"history_width ({w}) must be >= the longest history ({longest})")
         e = max(BAN_WIDTH, _next_pow2(max((len(x) for x in bans.values()), default=1)))

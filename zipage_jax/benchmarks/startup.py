@@ -1,0 +1,39 @@
+"""Start-up of the public API (``python -m zipage_jax.bench startup``): ``LLM(...)``, ``warmup()``, and the
+compiles a mixed workload meets afterwards."""
+
+import time
+
+import jax
+import numpy as np
+
+from zipage_jax.sampling_params import SamplingParams
+
+
+def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed: int = 0) -> dict:
+    """Start-up of the public API, as a user meets it: ``LLM(model, **engine_options)``, then ``warmup()``, then
+    a mixed workload (prompt lengths, greedy and sampled rows, seeds, ``n``, ``min_tokens``, logprobs) that must
+    compile nothing. Run it twice with the same ``compilation_cache_dir`` for the cold and the warm figure."""
+    from zipage_jax.engine.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, **engine_options)
+    init_s = time.perf_counter() - start
+    warmup = llm.warmup(use_tqdm=False)
+    ready_s = time.perf_counter() - start
+    compiles = llm.metrics()["num_compiles"]
+    rng = np.random.default_rng(seed)
+    vocab = llm.engine.model_cfg.vocab_size
+    longest = min(3000, llm.engine.max_model_len - 400)
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(5, longest, size=workload)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=40 if i % 2 else 0, min_p=0.05 if i % 4 == 1 else 0.0,
+                             max_tokens=int(m), seed=i, min_tokens=2, n=1 + i % 2, logprobs=True, ignore_eos=True)
+              for i, m in enumerate(rng.integers(2, 300, size=workload))]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
+                jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                init_s=init_s, programs=warmup["programs"], compile_s=warmup["compile_s"], ready_s=ready_s,
+                compiles_after_warmup=llm.metrics()["num_compiles"] - compiles, workload_requests=workload,
+                workload_s=time.perf_counter() - t,
+                workload_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))

@@ -1,0 +1,1 @@
+"""Host bookkeeping in plain Python (no jax): requests, the page pool, the scheduler, stop checks."""

@@ -1,0 +1,1 @@
+"""Device building blocks the models and the worker share: the attention-kernel interface and sampling."""
