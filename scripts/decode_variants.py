@@ -18,13 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.models import weights
-from zipage_jax.layers.attention import resolve_backend
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
-from zipage_jax.models import PagedBatch, forward_paged, to_serving
+from zipage_jax.benchmarks.profiling import kernel_breakdown
+from zipage_jax.layers.attention import resolve_backend
+from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
 from zipage_jax.models.rope import rope_cos_sin
 from zipage_jax.models.transformer import _logits, _mlp, _qkv, rms_norm
-from zipage_jax.benchmarks.profiling import kernel_breakdown
 
 NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 VARIANTS = {  # name: (layout, compiler options)

@@ -51,8 +51,8 @@ def export_from_jax(shape, out):
     import jax
     import jax.numpy as jnp
 
-    from zipage_jax.tasks.export import save_hf_checkpoint
     from zipage_jax.models.weights import init_random_params
+    from zipage_jax.tasks.export import save_hf_checkpoint
 
     save_hf_checkpoint(init_random_params(shape, jax.random.key(0), jnp.bfloat16), arch(shape), out)
 

@@ -38,11 +38,11 @@ import numpy as np
 import optax
 
 from zipage_jax.models import ModelConfig, Params, forward_dense
+from zipage_jax.models.weights import init_random_params, load_hf_weights
 from zipage_jax.tasks import TASKS, boxed_answer
 from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
 from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, VOCAB, encode_chat
 from zipage_jax.tasks.training_data import SEQ_LEN, answer_start, encode_batch, sample_visibility, visibility_mask
-from zipage_jax.models.weights import init_random_params, load_hf_weights
 
 TIMING_STEPS = 30
 

@@ -9,7 +9,8 @@ With one device this is the identity: the same code path serves both.
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXIS = "tp"
 KV_HEADS = P(None, None, AXIS)  # the pool [L, pages, Hkv, S, D] and the score cache [L, pages, Hkv, S]

@@ -15,7 +15,6 @@ from zipage_jax.benchmarks.scheduling import SCHEDULING_VARIANTS
 from zipage_jax.benchmarks.startup import startup_benchmark
 from zipage_jax.config import add_engine_options, engine_kwargs
 
-
 # benchmarks with a command line of their own: ``bench NAME ARGS`` hands ARGS to NAME's ``main``
 OWN_COMMAND_LINE = {
     "compression": ("zipage_jax.benchmarks.compression", "one compression of a batch of requests against a decode "

@@ -22,19 +22,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.bench import MAX_REL_ERR, record, rel_err, write_rows
 from pallas_kernels.compaction import compact_slots
-from pallas_kernels.redundancy import lightning_row_sums, smem_bytes as redundancy_smem_bytes
+from pallas_kernels.redundancy import lightning_row_sums
+from pallas_kernels.redundancy import smem_bytes as redundancy_smem_bytes
 from pallas_kernels.reference import gather_request_kv
 from pallas_kernels.scoring import default_block_kv, scratch_bytes, smem_bytes, window_scores
 from pallas_kernels.selection import selection_threshold
-from zipage_jax.models import weights
-from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
-from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
 from zipage_jax.compression.selection import select_slots, sorted_threshold
 from zipage_jax.compression.step import CompressionPlan, compress
-from zipage_jax.models import PagedBatch, forward_paged, to_serving
+from zipage_jax.config import ScoringConfig
+from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
+from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
 
 __all__ = ["MAX_REL_ERR", "main"]
 

@@ -23,7 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax.benchmarks.hlo import collectives, pool_copies
-from zipage_jax.benchmarks.model_shapes import HBM_PEAK_BYTES_PER_S, MODEL_SHAPES, kv_bytes_per_token, weight_bytes_per_step
+from zipage_jax.benchmarks.model_shapes import (
+    HBM_PEAK_BYTES_PER_S,
+    MODEL_SHAPES,
+    kv_bytes_per_token,
+    weight_bytes_per_step,
+)
 from zipage_jax.benchmarks.profiling import kernel_breakdown
 from zipage_jax.config import EngineConfig
 from zipage_jax.core.request import Request

@@ -18,7 +18,6 @@ from zipage_jax.engine.metrics import MetricsHistory
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
 
-
 SCHEDULING_VARIANTS = (("async", "reserved"), ("async", "hybrid"), ("sync", "reserved"), ("async", "constrained"))
 
 

@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from zipage_jax.entrypoints.answers import is_correct
 from zipage_jax.config import EngineConfig, add_engine_options, option_fields
 from zipage_jax.config import engine_kwargs as set_options
+from zipage_jax.entrypoints.answers import is_correct
 from zipage_jax.entrypoints.eval import DEFAULT_MAX_TOKENS, _option_error, format_prompt, load_items
 
 FULL_KV = "full-kv"

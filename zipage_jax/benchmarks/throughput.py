@@ -391,9 +391,9 @@ def main(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from zipage_jax.models import weights
     from zipage_jax.config import EngineConfig
     from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.models import weights
 
     model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
     dtype = jnp.dtype(model_cfg.dtype)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels.reference import NORM_FLOOR, gather_request_kv
 from zipage_jax.config import ScoringConfig
 
+
 def _live_mask(num_live, num_slots):
     return jnp.arange(num_slots)[None, :] < num_live[:, None]  # [B, N]
 

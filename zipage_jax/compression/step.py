@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from zipage_jax.compression.compaction import scatter_slots
-from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.scoring import paged_redundancy_scores, protect, recency_scores, zipage_scores
 from zipage_jax.compression.selection import select_slots
-from zipage_jax.config import EVICTION_POLICIES, REDUNDANCY_MODES
+from zipage_jax.config import EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 
 @flax.struct.dataclass

@@ -33,11 +33,10 @@ import bisect
 import collections
 import dataclasses
 
-from zipage_jax.core.page_manager import PageManager
-from zipage_jax.core.request import Request, RequestStatus
-
 from zipage_jax.config import EngineConfig
 from zipage_jax.core.memory_plan import MemoryPlan
+from zipage_jax.core.page_manager import PageManager
+from zipage_jax.core.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zipage_jax.entrypoints import prometheus
-from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
 from zipage_jax.config import DEFAULT_MODEL, add_engine_options, engine_kwargs
+from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
+from zipage_jax.entrypoints import prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from zipage_jax.sampling_params import SamplingParams
 

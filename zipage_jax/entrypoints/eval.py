@@ -20,8 +20,9 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+from zipage_jax.config import EngineConfig, add_engine_options
+from zipage_jax.config import engine_kwargs as set_engine_options
 from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_available, reference_answer
-from zipage_jax.config import EngineConfig, add_engine_options, engine_kwargs as set_engine_options
 
 QUESTION_KEYS = ("question", "problem")
 ANSWER_KEYS = ("answer", "solution")

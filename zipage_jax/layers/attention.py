@@ -18,10 +18,9 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zipage_jax.parallel import AXIS, KV_HEADS
-
 from pallas_kernels import reference
 from zipage_jax.compression import compaction, scoring, selection
+from zipage_jax.parallel import AXIS, KV_HEADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +113,10 @@ def mosaic_backends() -> dict:
     """Hopper: the Mosaic GPU paged decode and compression kernels (window attention, lightning redundancy,
     selection threshold, in-place compaction); ``mosaic`` adds the ragged prefill kernel, ``mosaic_decode``
     keeps the XLA prefill. KV write: the in-place XLA scatter."""
-    from pallas_kernels import compaction as k_compaction, paged_decode, ragged_prefill, redundancy
-    from pallas_kernels import scoring as k_scoring, selection as k_selection
+    from pallas_kernels import compaction as k_compaction
+    from pallas_kernels import paged_decode, ragged_prefill, redundancy
+    from pallas_kernels import scoring as k_scoring
+    from pallas_kernels import selection as k_selection
 
     def selection_threshold(key, keep):
         """The kernel where a row's keys fit its shared memory, else the sort."""

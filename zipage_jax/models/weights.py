@@ -19,12 +19,20 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.models.params import (SERVING_LAYER_PARTS, Params, ServingLayer, ServingParams, param_shapes,
-                                      param_shardings, params_from_flat, to_serving)
+from zipage_jax.models.params import (
+    SERVING_LAYER_PARTS,
+    Params,
+    ServingLayer,
+    ServingParams,
+    param_shapes,
+    param_shardings,
+    params_from_flat,
+    to_serving,
+)
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

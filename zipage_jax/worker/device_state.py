@@ -9,8 +9,8 @@ import flax.struct
 import jax
 import numpy as np
 
-from zipage_jax.worker import kv_cache
 from zipage_jax import parallel
+from zipage_jax.worker import kv_cache
 
 
 @flax.struct.dataclass

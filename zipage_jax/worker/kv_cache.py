@@ -7,9 +7,9 @@ what both the TMA loads of the kernels and per-head compaction want. Page 0 is t
 import jax
 import jax.numpy as jnp
 
+from zipage_jax import parallel
 from zipage_jax.core.memory_plan import MemoryPlan
 from zipage_jax.layers import attention
-from zipage_jax import parallel
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 

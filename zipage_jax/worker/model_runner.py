@@ -26,21 +26,19 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from zipage_jax.worker import device_state
-from zipage_jax.worker import kv_cache
-from zipage_jax.worker import packing
 from zipage_jax import parallel
-from zipage_jax.layers.attention import AttentionBackend
 from zipage_jax.compression.step import CompressionPlan, compress
 from zipage_jax.config import EngineConfig
-from zipage_jax.worker.device_state import DeviceState
-from zipage_jax.models.config import ModelConfig
-from zipage_jax.models import PagedBatch, forward_paged
-from zipage_jax.worker.programs import Program, Programs
 from zipage_jax.core.request import PENDING
-from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.layers.sampler import SamplingRow, SamplingTensors, sample
 from zipage_jax.core.scheduler import SchedulerOutput
+from zipage_jax.layers.attention import AttentionBackend
+from zipage_jax.layers.sampler import SamplingRow, SamplingTensors, sample
+from zipage_jax.models import PagedBatch, forward_paged
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker import device_state, kv_cache, packing
+from zipage_jax.worker.device_state import DeviceState
+from zipage_jax.worker.programs import Program, Programs
 
 GREEDY = SamplingParams(temperature=0.0)
 # Compiler options of every engine program. XLA's rematerialization pass compares a program's footprint with a

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 ALIGN = 64  # int32 elements: 256 bytes
 
 
