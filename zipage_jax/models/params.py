@@ -1,16 +1,24 @@
-"""Parameter pytrees in two layouts.
+"""Parameter pytrees in two layouts, and the one declaration of every weight they hold.
 
 `Params` stacks the layer weights on axis 0, so training and the dense forward `lax.scan` over layers (fast to
 compile, one gradient buffer per field). `ServingParams` is what the engine's steps read: one buffer per layer
 (a scan would slice each layer out of the stack, and XLA copies such a slice before every matmul, reading the
 weights three times) with q/k/v and gate/up fused into one matmul each. `to_serving` builds it at load time.
 
+`WEIGHTS` declares each weight once (as jax-llm-examples' ``ArrayInfo`` does): its logical axes (whence its
+shape from the ModelConfig and its tensor-parallel split), the serving buffer it is fused into, its HF tensor
+name and layout, its initializer and when the model has it. Shapes (`param_shapes`), the serving layout
+(`SERVING_LAYER_PARTS`, `to_serving`), shardings (`param_shardings`), HF loading and export and random init
+are all read off it.
+
 Matrices are stored `[in, out]` (x @ W). Optional fields are None when the architecture lacks them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +27,135 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zipage_jax.parallel import AXIS
+
+# Logical axes: their sizes from the ModelConfig; those split over the tensor-parallel mesh axis give each shard
+# its own heads (q, kv: Hq*D and Hkv*D columns, grouped by head) or its share of the MLP's hidden units.
+AXIS_SIZES: dict[str, Callable] = {
+    "vocab": lambda c: c.vocab_size,
+    "hidden": lambda c: c.hidden_size,
+    "q": lambda c: c.q_size,
+    "kv": lambda c: c.kv_size,
+    "mlp": lambda c: c.intermediate_size,
+    "head_dim": lambda c: c.head_dim,
+}
+TENSOR_PARALLEL_AXES = frozenset({"q", "kv", "mlp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One weight, declared once. A layer weight (named ``layers.X``) has one such array per layer, stacked on a
+    leading ``L`` axis in `Params`; ``axes`` and ``hf_name`` describe one layer's."""
+
+    axes: tuple[str, ...]  # logical axes (AXIS_SIZES): the shape, and which axis tensor parallelism splits
+    hf_name: str  # the HF tensor, ``{layer}`` standing for the layer index
+    transpose: bool = False  # HF stores the matrix [out, in]
+    fused: str | None = None  # the ServingLayer buffer it joins (columns, in WEIGHTS order); None: its own
+    init: str = "normal"  # random init: "normal" N(0, std), or "ones" 1 + N(0, std) (norm scales)
+    present: Callable | None = None  # config -> whether the model has it; None: always
+
+    def __post_init__(self):
+        if self.init not in ("normal", "ones") or not set(self.axes) <= set(AXIS_SIZES):
+            raise ValueError(f"Weight {self.hf_name}: init must be normal or ones and axes among {list(AXIS_SIZES)}")
+
+    def shape(self, cfg) -> tuple[int, ...]:
+        """One layer's shape (the whole shape of a top-level weight)."""
+        return tuple(AXIS_SIZES[axis](cfg) for axis in self.axes)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.hf_name
+
+    def hf_names(self, num_layers: int) -> list[str]:
+        """Its HF tensors: one per layer for a layer weight."""
+        return [self.hf_name.format(layer=i) for i in range(num_layers)] if self.per_layer else [self.hf_name]
+
+    def spec(self) -> P:
+        """Its tensor-parallel partition: the split axes over the mesh axis, or replicated."""
+        if not TENSOR_PARALLEL_AXES.intersection(self.axes):
+            return P()
+        return P(*(AXIS if axis in TENSOR_PARALLEL_AXES else None for axis in self.axes))
+
+
+def _attention_bias(cfg) -> bool:
+    return cfg.attention_bias
+
+
+def _qk_norm(cfg) -> bool:
+    return cfg.qk_norm
+
+
+def _untied(cfg) -> bool:
+    return not cfg.tie_word_embeddings
+
+
+_LAYER = "model.layers.{layer}."
+_ATTN = _LAYER + "self_attn."
+_MLP = _LAYER + "mlp."
+
+# Every weight of the llama / qwen2 / qwen3 family. Its order is the order of a fused buffer's parts and seeds
+# init_random_params (each weight draws from the key folded with its index): keep it.
+WEIGHTS: dict[str, Weight] = {
+    "embed": Weight(("vocab", "hidden"), "model.embed_tokens.weight"),
+    "layers.input_norm": Weight(("hidden",), _LAYER + "input_layernorm.weight", init="ones"),
+    "layers.q_proj": Weight(("hidden", "q"), _ATTN + "q_proj.weight", transpose=True, fused="qkv_proj"),
+    "layers.k_proj": Weight(("hidden", "kv"), _ATTN + "k_proj.weight", transpose=True, fused="qkv_proj"),
+    "layers.v_proj": Weight(("hidden", "kv"), _ATTN + "v_proj.weight", transpose=True, fused="qkv_proj"),
+    "layers.o_proj": Weight(("q", "hidden"), _ATTN + "o_proj.weight", transpose=True),
+    "layers.post_norm": Weight(("hidden",), _LAYER + "post_attention_layernorm.weight", init="ones"),
+    "layers.gate_proj": Weight(("hidden", "mlp"), _MLP + "gate_proj.weight", transpose=True, fused="gate_up_proj"),
+    "layers.up_proj": Weight(("hidden", "mlp"), _MLP + "up_proj.weight", transpose=True, fused="gate_up_proj"),
+    "layers.down_proj": Weight(("mlp", "hidden"), _MLP + "down_proj.weight", transpose=True),
+    # qwen2
+    "layers.q_bias": Weight(("q",), _ATTN + "q_proj.bias", fused="qkv_bias", present=_attention_bias),
+    "layers.k_bias": Weight(("kv",), _ATTN + "k_proj.bias", fused="qkv_bias", present=_attention_bias),
+    "layers.v_bias": Weight(("kv",), _ATTN + "v_proj.bias", fused="qkv_bias", present=_attention_bias),
+    # qwen3
+    "layers.q_norm": Weight(("head_dim",), _ATTN + "q_norm.weight", init="ones", present=_qk_norm),
+    "layers.k_norm": Weight(("head_dim",), _ATTN + "k_norm.weight", init="ones", present=_qk_norm),
+    "final_norm": Weight(("hidden",), "model.norm.weight", init="ones"),
+    "lm_head": Weight(("hidden", "vocab"), "lm_head.weight", transpose=True, present=_untied),  # absent: tied
+}
+
+
+def model_weights(cfg) -> dict[str, Weight]:
+    """The weights ``cfg``'s model has, in WEIGHTS order."""
+    return {name: w for name, w in WEIGHTS.items() if w.present is None or w.present(cfg)}
+
+
+def param_shapes(cfg) -> dict[str, tuple[int, ...] | None]:
+    """Shape of every field (layer fields prefixed `layers.`, stacked: a leading L) for `cfg`; None where the
+    model lacks it."""
+    present = model_weights(cfg)
+    return {name: None if name not in present else
+            ((cfg.num_layers,) if name.startswith("layers.") else ()) + w.shape(cfg)
+            for name, w in WEIGHTS.items()}
+
+
+def _serving_layer_parts() -> dict[str, tuple[str, ...]]:
+    """ServingLayer field -> the LayerParams fields it holds, in order (several: fused by ``fuse_columns``).
+
+    The parts of a fused buffer are joined along their last axis, which tensor parallelism splits (each shard
+    its own columns of every part), so they must agree on everything else."""
+    parts: dict[str, tuple[str, ...]] = {}
+    for name, w in WEIGHTS.items():
+        if name.startswith("layers.") != w.per_layer:
+            raise ValueError(f"WEIGHTS: {name} is a layer weight exactly when its HF name has a {{layer}}")
+        if name.startswith("layers."):
+            field = name.removeprefix("layers.")
+            key = w.fused or field
+            parts[key] = parts.get(key, ()) + (field,)
+    for key, fields in parts.items():
+        group = [WEIGHTS["layers." + f] for f in fields]
+        first = group[0]
+        if len(group) > 1 and (first.axes[-1] not in TENSOR_PARALLEL_AXES or any(
+                (w.axes[:-1], w.transpose, w.spec(), w.present) != (first.axes[:-1], first.transpose,
+                                                                    first.spec(), first.present)
+                or w.axes[-1] not in TENSOR_PARALLEL_AXES for w in group)):
+            raise ValueError(f"WEIGHTS: the parts {fields} of {key} must differ only in their split last axis")
+    return parts
+
+
+SERVING_LAYER_PARTS = _serving_layer_parts()
 
 
 @struct.dataclass
@@ -45,32 +182,6 @@ class Params:
     layers: LayerParams
     final_norm: jax.Array  # [Hd]
     lm_head: jax.Array | None = None  # [Hd, V]; None = tied to embed
-
-
-def param_shapes(cfg) -> dict[str, tuple[int, ...] | None]:
-    """Shape of every field (layer fields prefixed `layers.`) for `cfg`; None where the model lacks it."""
-    L, Hd, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    q, kv, D = cfg.q_size, cfg.kv_size, cfg.head_dim
-    bias = cfg.attention_bias
-    return {
-        "embed": (cfg.vocab_size, Hd),
-        "layers.input_norm": (L, Hd),
-        "layers.q_proj": (L, Hd, q),
-        "layers.k_proj": (L, Hd, kv),
-        "layers.v_proj": (L, Hd, kv),
-        "layers.o_proj": (L, q, Hd),
-        "layers.post_norm": (L, Hd),
-        "layers.gate_proj": (L, Hd, I),
-        "layers.up_proj": (L, Hd, I),
-        "layers.down_proj": (L, I, Hd),
-        "layers.q_bias": (L, q) if bias else None,
-        "layers.k_bias": (L, kv) if bias else None,
-        "layers.v_bias": (L, kv) if bias else None,
-        "layers.q_norm": (L, D) if cfg.qk_norm else None,
-        "layers.k_norm": (L, D) if cfg.qk_norm else None,
-        "final_norm": (Hd,),
-        "lm_head": None if cfg.tie_word_embeddings else (Hd, cfg.vocab_size),
-    }
 
 
 def params_from_flat(flat: dict) -> Params:
@@ -136,14 +247,6 @@ def to_serving(params: Params, shards: int = 1) -> ServingParams:
                          final_norm=params.final_norm, lm_head=params.lm_head, shards=shards)
 
 
-# ServingLayer field -> the LayerParams fields it holds, in order (several: fused by ``fuse_columns``)
-SERVING_LAYER_PARTS = {
-    "input_norm": ("input_norm",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-    "post_norm": ("post_norm",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
-    "qkv_bias": ("q_bias", "k_bias", "v_bias"), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
-}
-
-
 @functools.partial(jax.jit, static_argnums=2)
 def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
     layer = jax.tree.map(lambda x: x[i], stacked)
@@ -158,20 +261,14 @@ def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
 
 
 def param_shardings(params: ServingParams, mesh: Mesh) -> ServingParams:
-    """Column-parallel fused q/k/v and gate/up (and the bias), row-parallel o/down, everything else replicated.
-    The fused columns are grouped per shard (see ``ServingLayer``), so an even split gives each shard its heads."""
-    def spec(*axes):
-        return NamedSharding(mesh, P(*axes))
+    """Where each leaf of ``params`` lives on ``mesh``: each weight's split (``Weight.spec``) — column-parallel
+    fused q/k/v and gate/up (and the bias), row-parallel o/down, everything else replicated. A fused buffer
+    takes its parts' split; its columns are grouped per shard (see ``ServingLayer``), so an even split gives
+    each shard its own heads."""
+    def sharding(name: str, value):
+        return None if value is None else NamedSharding(mesh, WEIGHTS[name].spec())
 
-    rep = spec()
-    column, row = spec(None, AXIS), spec(AXIS, None)
-
-    def maybe(value, sharding):
-        return None if value is None else sharding
-
-    return params.replace(
-        embed=rep, final_norm=rep, lm_head=maybe(params.lm_head, rep),
-        layers=tuple(ServingLayer(
-            input_norm=rep, post_norm=rep, qkv_proj=column, o_proj=row, gate_up_proj=column, down_proj=row,
-            qkv_bias=maybe(layer.qkv_bias, spec(AXIS)), q_norm=maybe(layer.q_norm, rep),
-            k_norm=maybe(layer.k_norm, rep)) for layer in params.layers))
+    top = {name: sharding(name, getattr(params, name)) for name in WEIGHTS if not name.startswith("layers.")}
+    layers = tuple(ServingLayer(**{field: sharding("layers." + parts[0], getattr(layer, field))
+                                   for field, parts in SERVING_LAYER_PARTS.items()}) for layer in params.layers)
+    return params.replace(layers=layers, **top)

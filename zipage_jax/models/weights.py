@@ -1,5 +1,5 @@
 """Model weights: HF safetensors -> Params, or straight into the engine's sharded ServingParams; orbax
-save/restore of converted Params, random init.
+save/restore of converted Params, random init; each read off the weight declarations (``params.WEIGHTS``).
 
 The engine reads safetensors at every start (``load_sharded``): restoring an orbax checkpoint of the converted
 Params was measured slower (BENCHMARKS.md, Weight loading), so there is no weights cache.
@@ -25,9 +25,12 @@ from jax.sharding import PartitionSpec as P
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.params import (
     SERVING_LAYER_PARTS,
+    WEIGHTS,
     Params,
     ServingLayer,
     ServingParams,
+    Weight,
+    model_weights,
     param_shapes,
     param_shardings,
     params_from_flat,
@@ -39,28 +42,6 @@ _SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 
-# Per-layer fields: our name -> (HF suffix after `model.layers.N.`, is a matrix to transpose)
-HF_LAYER_TENSORS = {
-    "input_norm": ("input_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True),
-    "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True),
-    "o_proj": ("self_attn.o_proj.weight", True),
-    "q_bias": ("self_attn.q_proj.bias", False),
-    "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "post_norm": ("post_attention_layernorm.weight", False),
-    "gate_proj": ("mlp.gate_proj.weight", True),
-    "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True),
-}
-_TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
-}
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -164,16 +145,9 @@ def load_hf_weights(path, cfg: ModelConfig, dtype=jnp.bfloat16, device=None) -> 
     shapes = param_shapes(cfg)
     used: set[str] = set()
     flat = {}
-    for field, shape in shapes.items():
-        if shape is None:
-            continue
-        if field.startswith("layers."):
-            suffix, transpose = HF_LAYER_TENSORS[field.removeprefix("layers.")]
-            names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
-        else:
-            name, transpose = _TOP_TENSORS[field]
-            names = [name]
-        flat[field] = _load_field(ckpt, names, transpose, shape, dtype, device)
+    for name, weight in model_weights(cfg).items():
+        names = weight.hf_names(cfg.num_layers)
+        flat[name] = _load_field(ckpt, names, weight.transpose, shapes[name], dtype, device)
         used.update(names)
     _check_all_used(ckpt, used, cfg)
     return params_from_flat(flat)
@@ -206,32 +180,26 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
     targets = param_shardings(abstract, mesh)
     used: set[str] = set()
 
-    def load(names, hf_shapes, transpose, target, sharding):
+    def load(weights: list[Weight], target, sharding, layer: int | None = None):
+        """The leaf ``target`` from the HF tensors of ``weights`` (several: the parts of a fused buffer)."""
+        transpose = weights[0].transpose  # the same for every part of a fused buffer
+        names = [w.hf_name.format(layer=layer) for w in weights]
+        hf_shapes = [w.shape(cfg)[::-1] if transpose else w.shape(cfg) for w in weights]
         used.update(names)
         return _load_sharded_field(ckpt, names, hf_shapes, transpose, target, sharding, mesh.size)
-
-    def hf_shape(field, transpose):
-        shape = shapes[field][1:] if field.startswith("layers.") else shapes[field]
-        return shape[::-1] if transpose else shape
 
     layers = []
     for i, (layer, sharding) in enumerate(zip(abstract.layers, targets.layers)):
         fields = {}
         for field, parts in SERVING_LAYER_PARTS.items():
             target = getattr(layer, field)
-            if target is None:
-                fields[field] = None
-                continue
-            transpose = HF_LAYER_TENSORS[parts[0]][1]
-            names = [f"model.layers.{i}.{HF_LAYER_TENSORS[p][0]}" for p in parts]
-            fields[field] = load(names, [hf_shape(f"layers.{p}", transpose) for p in parts], transpose, target,
-                                 getattr(sharding, field))
+            fields[field] = None if target is None else load([WEIGHTS[f"layers.{p}"] for p in parts], target,
+                                                             getattr(sharding, field), i)
         layers.append(ServingLayer(**fields))
     top = {}
-    for field, (name, transpose) in _TOP_TENSORS.items():
-        target = getattr(abstract, field)
-        top[field] = None if target is None else load([name], [hf_shape(field, transpose)], transpose, target,
-                                                      getattr(targets, field))
+    for name in (n for n in WEIGHTS if not n.startswith("layers.")):
+        target = getattr(abstract, name)
+        top[name] = None if target is None else load([WEIGHTS[name]], target, getattr(targets, name))
     _check_all_used(ckpt, used, cfg)
     return ServingParams(layers=tuple(layers), shards=mesh.size, **top)
 
@@ -286,13 +254,14 @@ def _converter(transpose: bool, dtype, sharding):
 
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
-    """Deterministic random Params (normal(std) matrices, ~1 norms), generated on the device field by field."""
+    """Deterministic random Params (each weight's initializer: normal(std), norm scales 1 + normal(std)),
+    generated on the device weight by weight."""
+    shapes, present = param_shapes(cfg), model_weights(cfg)
     flat = {}
-    for i, (field, shape) in enumerate(param_shapes(cfg).items()):
-        if shape is None:
-            continue
-        is_norm = field.endswith("norm")
-        flat[field] = _random_field(jax.random.fold_in(key, i), shape, jnp.dtype(dtype), std, is_norm)
+    for i, (name, weight) in enumerate(WEIGHTS.items()):
+        if name in present:
+            flat[name] = _random_field(jax.random.fold_in(key, i), shapes[name], jnp.dtype(dtype), std,
+                                       weight.init == "ones")
     return params_from_flat(flat)
 
 

@@ -1,6 +1,7 @@
 """Write Params as a HF-layout checkpoint (config.json, model.safetensors, tokenizer, generation config).
 
-The inverse of `zipage_jax.models.weights.load_hf_weights`: HF tensor names, matrices as [out, in].
+The inverse of `zipage_jax.models.weights.load_hf_weights`: each weight under its declared HF name
+(`models.params.WEIGHTS`), matrices as [out, in].
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from zipage_jax.models.params import Params
-from zipage_jax.models.weights import HF_LAYER_TENSORS
+from zipage_jax.models.params import WEIGHTS, Params
 from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, save_tokenizer
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -31,16 +31,19 @@ def hf_state_dict(params: Params, dtype: str = "bfloat16") -> dict[str, np.ndarr
         x = np.asarray(x, dtype=np.float32)
         return np.ascontiguousarray(np.swapaxes(x, -1, -2) if transpose else x).astype(np_dtype)
 
-    tensors = {"model.embed_tokens.weight": host(params.embed, False),
-               "model.norm.weight": host(params.final_norm, False)}
-    if params.lm_head is not None:
-        tensors["lm_head.weight"] = host(params.lm_head, True)
-    for field, (suffix, transpose) in HF_LAYER_TENSORS.items():
-        if getattr(params.layers, field) is None:
+    tensors = {}
+    for name, weight in WEIGHTS.items():
+        value = params
+        for part in name.split("."):
+            value = getattr(value, part)
+        if value is None:
             continue
-        stacked = host(getattr(params.layers, field), transpose)
-        for i, layer in enumerate(stacked):
-            tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(layer)
+        value = host(value, weight.transpose)
+        if weight.per_layer:
+            for i, layer in enumerate(value):
+                tensors[weight.hf_name.format(layer=i)] = np.ascontiguousarray(layer)
+        else:
+            tensors[weight.hf_name] = value
     return tensors
 
 
