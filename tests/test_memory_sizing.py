@@ -31,7 +31,8 @@ def shapes_bytes(m, c, itemsize):
     one query-cache row (its KV heads and their query heads)."""
     kv_heads, q_heads = m.num_kv_heads // c.tensor_parallel_size, m.num_heads // c.tensor_parallel_size
     page = np.prod([m.num_layers, kv_heads, c.page_size, m.head_dim]) * itemsize * 2
-    page += np.prod([m.num_layers, kv_heads, c.page_size]) * 4 if c.scoring.global_score else 0
+    keeps_scores = c.scoring.eviction_policy == "zipage" and c.scoring.global_score
+    page += np.prod([m.num_layers, kv_heads, c.page_size]) * 4 if keeps_scores else 0
     slot = np.prod([m.num_layers, c.scoring.window, q_heads, m.head_dim]) * itemsize
     return int(page), int(slot)
 
@@ -66,6 +67,31 @@ def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
     assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
     hybrid, constrained = plan, kv_cache.plan_memory(config(admission="constrained"), CFG, jnp.float32, 256)
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
+
+
+def test_window_policy_holds_and_reserves_no_score_cache(monkeypatch):
+    """Recent-window eviction never reads a score history: no score cache on the device, no bytes for one in
+    the plan (pages, compression scratch, swap staging), no scores in a swap."""
+    monkeypatch.setattr(kv_cache, "device_free_bytes", lambda device, utilization: 5_000_000)
+    window, zipage = config(eviction_policy="window"), config()
+    plans = {c.scoring.eviction_policy: kv_cache.plan_memory(c, CFG, jnp.float32, 256) for c in (window, zipage)}
+    kv_only, slot = shapes_bytes(CFG, window, 4)
+    assert plans["window"].page_bytes == kv_only == np.prod([CFG.num_layers, CFG.num_kv_heads, 16, CFG.head_dim]) * 8
+    assert plans["zipage"].page_bytes == kv_only + CFG.num_layers * CFG.num_kv_heads * 16 * 4
+    assert plans["window"].reserved_swap_bytes == 3 * kv_only + slot
+    no_history = kv_cache.compression_scratch_bytes(CFG, config(global_score=False), jnp.float32, 64)
+    assert kv_cache.compression_scratch_bytes(CFG, window, jnp.float32, 64) == no_history
+    assert no_history < kv_cache.compression_scratch_bytes(CFG, zipage, jnp.float32, 64)
+    monkeypatch.undo()
+    engines = {policy: LLM(MODEL, page_size=16, max_num_seqs=2, max_num_batched_tokens=128, max_model_len=64,
+                           compression=True, kv_budget_pages=2, eviction_policy=policy,
+                           compilation_cache_dir=None).engine for policy in ("window", "zipage")}
+    runner = engines["window"].runner
+    assert runner.state.score_cache.size == 1  # a stand-in
+    assert engines["zipage"].runner.state.score_cache.shape == (CFG.num_layers, engines["zipage"].num_pages,
+                                                                CFG.num_kv_heads, 16)
+    k, _, scores, _ = runner.swap_out([1, 2], 0)
+    assert k.shape[1] == 2 and scores.ndim == 0
 
 
 def test_bad_budgets_and_bounds_raise():

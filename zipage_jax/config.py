@@ -40,7 +40,7 @@ class ScoringConfig:
 
     @property
     def tracks_history(self) -> bool:
-        """Whether the score cache is read (decayed history) and written (kept slots' scores)."""
+        """Whether a compression reads (decayed history) and writes (kept slots' scores) the score cache."""
         return self.eviction_policy == "zipage" and self.global_score
 
 
@@ -174,6 +174,11 @@ class EngineConfig:
         scoring = dataclasses.replace(kwargs.pop("scoring", ScoringConfig()), **knobs)
         return cls(model=model, scoring=scoring, **kwargs)
 
+    @property
+    def tracks_history(self) -> bool:
+        """Whether the engine keeps a score cache: compression on, with scoring that tracks a history. Its
+        allocation, its share of the memory plan and its swaps all follow this one answer."""
+        return self.compression and self.scoring.tracks_history
 
     def options(self) -> dict:
         """The config as flat engine options (the inverse of ``from_kwargs``), ``model`` first: what reports

@@ -15,7 +15,8 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
 
 def page_bytes(model_cfg, page_size: int, dtype, with_score: bool = False) -> int:
-    """Bytes of one page of K and V across all layers (plus its f32 score-cache entry with the global score)."""
+    """Bytes of one page of K and V across all layers (plus its f32 score-cache entry where the engine keeps a
+    score history: ``EngineConfig.tracks_history``)."""
     slots = model_cfg.num_layers * model_cfg.num_kv_heads * page_size
     return slots * (2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if with_score else 0))
 
@@ -73,7 +74,7 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
         per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.scoring.redundancy == "full" else 0))
     else:
         per_slot = c.num_kv_heads * (2 * c.head_dim * it + 8 * 4 + keys_and_similarities) + 2 * c.num_heads * 4
-    history = slots * c.num_kv_heads * 4 * 2 if config.scoring.global_score else 0
+    history = slots * c.num_kv_heads * 4 * 2 if config.tracks_history else 0
     return int(slots * per_slot + history)
 
 
@@ -94,7 +95,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     S, M = config.page_size, config.kv_budget_pages
     shards = config.tensor_parallel_size  # divides the KV heads, hence the query heads
     pages_per_seq = -(-max_model_len // S)
-    per_page = page_bytes(model_cfg, S, dtype, config.compression and config.scoring.global_score) // shards
+    per_page = page_bytes(model_cfg, S, dtype, config.tracks_history) // shards
     row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.compression else 0
     max_comp = 0
     if config.compression:
@@ -170,19 +171,18 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
 
 def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
     """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of requests without a query row) and score cache
-    ``[L, num_pages, Hkv, S]`` f32; tiny stand-ins when unused."""
+    ``[L, num_pages, Hkv, S]`` f32 (``config.tracks_history``); tiny stand-ins when unused."""
     layers = model_cfg.num_layers
     if config.compression:
         q_shape = (layers, num_query_rows + 1, config.scoring.window, model_cfg.num_heads, model_cfg.head_dim)
     else:
         q_shape = (1, 1, 1, 1, 1)
-    if config.compression and config.scoring.global_score:
+    if config.tracks_history:
         s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.page_size)
     else:
         s_shape = (1, 1, 1, 1)
     q_sharding = parallel.query_head_sharding(mesh) if config.compression else parallel.replicated(mesh)
-    s_sharding = parallel.kv_head_sharding(mesh) if config.compression and config.scoring.global_score \
-        else parallel.replicated(mesh)
+    s_sharding = parallel.kv_head_sharding(mesh) if config.tracks_history else parallel.replicated(mesh)
     make = jax.jit(lambda: (jnp.zeros(q_shape, dtype), jnp.zeros(s_shape, jnp.float32)),
                    out_shardings=(q_sharding, s_sharding))
     return make()

@@ -130,7 +130,7 @@ def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, 
         return compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, sm_scale, backend=backend)
 
     if mesh.size > 1:
-        heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.global_score else P()  # as allocated
+        heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.tracks_history else P()  # as allocated
         run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P()),
                             out_specs=(heads, heads, scores), check_vma=False)
     k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
@@ -173,7 +173,7 @@ class ModelRunner:
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
                                  static_argnames=("spec",), donate_argnames=("state",))
-        history = config.compression and config.scoring.global_score
+        history = config.tracks_history
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
         self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history),
                                      donate_argnames=("state",))
