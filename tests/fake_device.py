@@ -1,9 +1,9 @@
 """A fake device for the scheduler's property tests: the real ``LLMEngine`` step loop over a token-valued pool.
 
-``FakeDevice`` implements ``runner.Runner``: it executes each scheduler output in the engine's dispatch order
-(swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against a pool whose
-slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each query-row holder's
-computed tokens, and a token buffer; a decode whose input token is still pending reads it from that buffer, as
+``FakeDevice`` implements ``worker.model_runner.Runner``: it executes each scheduler output in the engine's
+dispatch order (swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against
+a pool whose slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each
+query-row holder's computed tokens, and a token buffer; a decode whose input token is still pending reads it from that buffer, as
 the device does. "Sampling" hashes the slots read through the page table, so any lost, misplaced or overwritten
 KV changes the output. A compression keeps, per request, the ``M * S`` live slots with the highest hash of
 (slot, the W window entries), the last W slots protected, packed in order into the destination pages; it asserts
@@ -23,6 +23,7 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.core.request import PENDING, Request, RequestStatus
 from zipage_jax.worker.model_runner import StepHandle
+from zipage_jax.worker.programs import Programs
 from zipage_jax.core.scheduler import Scheduler
 
 PAGE = 4
@@ -38,6 +39,7 @@ class FakeDevice:
     compression_seconds = 0.0
 
     def __init__(self, scheduler: Scheduler):
+        self.programs = Programs()  # compiles nothing: the engine's metrics read its compile time (0)
         self.s = scheduler
         self.bm = scheduler.page_manager
         self.pool = {page: [None] * PAGE for page in range(self.bm.num_pages)}
@@ -45,7 +47,7 @@ class FakeDevice:
         self.queries = [[None] * WINDOW for _ in range(scheduler.num_query_rows)]
         self.stats = collections.Counter()
 
-    # -- runner.Runner -------------------------------------------------------------------------------------
+    # -- worker.model_runner.Runner ------------------------------------------------------------------------
     def execute(self, out) -> list[StepHandle]:
         self.check_schedule(out)
         s = self.s
@@ -70,6 +72,9 @@ class FakeDevice:
                           compression_dispatches=bool(out.compressions))
         self.last_output = out
         return handles
+
+    def warmup(self, progress=None) -> dict:
+        return dict(programs=0, compile_s=0.0)
 
     @staticmethod
     def _handle(requests, tokens, kind) -> StepHandle:

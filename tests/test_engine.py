@@ -10,6 +10,7 @@ import pytest
 from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
+from zipage_jax.worker.model_runner import Runner
 from seeds import fresh_seed, seeded_rng
 
 FIXTURES = "tests/fixtures/hf"
@@ -157,6 +158,7 @@ def test_every_step_donates_the_whole_device_state(llm):
     """Pools, caches and token buffer travel as one donated pytree: after a prefill and a decode step the state
     they were given is gone (updated in place), the fields a step leaves alone included."""
     engine = llm.engine
+    assert isinstance(engine.runner, Runner)  # the whole protocol the step loop is written against
     engine.add_request("donate", [5, 6, 7], dataclasses.replace(GREEDY, max_tokens=3))
     kinds = []
     while engine.has_unfinished_requests():

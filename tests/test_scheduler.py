@@ -9,6 +9,7 @@ from seeds import fresh_seed
 from fake_device import PAGE, VOCAB, digest, fake_engine, run
 from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker.model_runner import Runner
 
 
 def alone(prompt, max_tokens) -> list[int]:
@@ -61,3 +62,15 @@ def test_tight_pool_preempts_and_stays_lossless():
     assert engine.scheduler.num_preemptions > 0, seed
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, 12), seed
+
+
+def test_the_fake_device_is_a_whole_runner():
+    """The engine's warm-up and its steady-state metrics run over the fake device as over the real one (both
+    implement every member of ``Runner`` the engine reads)."""
+    engine = fake_engine(num_pages=8, max_num_seqs=2)
+    assert isinstance(engine.runner, Runner)
+    assert engine.warmup() == dict(programs=0, compile_s=0.0)
+    reqs = [Request("r", [1, 2, 0, 1, 2], SamplingParams(temperature=0.0, max_tokens=6), 0)]
+    run(engine, reqs)
+    assert reqs[0].output_token_ids == alone(reqs[0].prompt_token_ids, 6)
+    assert engine.history.steady_compression_share(engine) == 0.0

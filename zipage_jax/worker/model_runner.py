@@ -89,15 +89,20 @@ class StepHandle:
         return np.asarray(self.tokens), np.asarray(self.logprobs)
 
 
+@typing.runtime_checkable
 class Runner(typing.Protocol):
-    """What the engine's step loop needs of the device side; ``ModelRunner`` is the real one, the scheduler's
-    property tests bring a fake device."""
+    """What the engine (step loop, warm-up, metrics) needs of the device side; ``ModelRunner`` is the real one,
+    the scheduler's property tests bring a fake device."""
 
     compression_seconds: float  # device time spent compressing so far (engine metrics)
+    programs: Programs  # its compiled programs; the metrics subtract their ``compile_wall_s`` from device time
 
     def execute(self, scheduled: SchedulerOutput) -> list[StepHandle]:
         """Dispatch one scheduler output (in the order of ``ModelRunner.execute``); one handle per step that
         samples tokens, read back by the engine one step later."""
+
+    def warmup(self, progress=None) -> dict:
+        """Compile every program a workload can need now; ``{"programs": count, "compile_s": wall seconds}``."""
 
 
 def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_queries):
