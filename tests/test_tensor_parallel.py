@@ -69,11 +69,11 @@ def test_four_way_tensor_parallel_matches_single_device_with_only_the_expected_c
     assert len(engine.runner.state.k_pool.sharding.device_set) == 4
     assert sharded == single
     assert (engine.totals["compressions"] > 0) == compression
-    programs = engine.runner.programs
-    kinds = {key[0] for key in programs.keys()}
+    compiled = engine.runner.programs.compiled
+    kinds = {key[0] for key in compiled}
     assert kinds == ({"step", "compress"} if compression else {"step"})
-    for key in programs.keys():
-        found = collectives(programs.compiled(key).as_text())
+    for key, program in compiled.items():
+        found = collectives(program.as_text())
         assert found == ({"all-reduce": 2 * FOUR_KV.num_layers} if key[0] == "step" else {}), key
 
 

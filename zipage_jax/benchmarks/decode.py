@@ -236,7 +236,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         t = time.perf_counter()
         kv_heads = model_cfg.num_kv_heads // tensor_parallel_size  # the compiled step holds one shard's pool
         shape = (model_cfg.num_layers, num_pages, kv_heads, page_size, model_cfg.head_dim)
-        text = engine.runner.programs.compiled(hlo_program.key).as_text()
+        text = engine.runner.programs.compiled[hlo_program.key].as_text()
         hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype), collectives=collectives(text))
         hlo["inspect_s"] = time.perf_counter() - t
     return make_report(results, hlo), engine

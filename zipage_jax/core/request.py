@@ -55,7 +55,6 @@ class Request:
         self.output_text = ""
         self.first_token_time: float | None = None
         self.arrival_time: float | None = None
-        self.finish_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -249,7 +249,6 @@ class LLMEngine:
                 self._detokenizers[request.request_id].text = request.output_text
             request.drop_pending()
             self.scheduler.finish(request, stop.status)
-            request.finish_time = time.perf_counter()
             self.totals["finished"] += 1
 
     def _detokenize(self, request: Request):

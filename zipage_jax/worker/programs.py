@@ -9,7 +9,8 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Hashable
+import types
+from collections.abc import Callable, Hashable, Mapping
 
 import jax
 
@@ -33,12 +34,10 @@ class Programs:
         self._compiled: dict = {}
         self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
 
-    def compiled(self, key):
-        return self._compiled[key]
-
-    def keys(self) -> list:
-        """The keys of the programs compiled so far."""
-        return list(self._compiled)
+    @property
+    def compiled(self) -> Mapping[Hashable, jax.stages.Compiled]:
+        """The programs compiled so far, by key (read-only: what a benchmark or test inspects)."""
+        return types.MappingProxyType(self._compiled)
 
     def run(self, program: Program, *args):
         """Call ``program`` on ``args`` (compiling it first if no warm-up did)."""
