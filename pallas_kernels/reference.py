@@ -66,7 +66,7 @@ def token_owners(cu_q_lens, num_tokens):
 def ragged_prefill_ref(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
     """Packed query chunks ``q [T, Hq, D]``, causal over each request's cached slots plus the chunk itself.
 
-    Request ``r`` owns query rows ``[cu_q_lens[r], cu_q_lens[r+1])``: the last ``q_len`` of its ``kv_lens[r]``
+    Request ``r`` owns query tokens ``[cu_q_lens[r], cu_q_lens[r+1])``: the last ``q_len`` of its ``kv_lens[r]``
     tokens (their K/V already written). Loops over requests so scratch stays ``O(T * K)`` per request.
     """
     num_tokens, num_q_heads, head_dim = q.shape

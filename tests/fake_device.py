@@ -3,12 +3,12 @@
 ``FakeDevice`` implements ``worker.model_runner.Runner``: it executes each scheduler output in the engine's
 dispatch order (swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against
 a pool whose slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each
-query-row holder's computed tokens, and a token buffer; a decode whose input token is still pending reads it from that buffer, as
-the device does. "Sampling" hashes the slots read through the page table, so any lost, misplaced or overwritten
-KV changes the output. A compression keeps, per request, the ``M * S`` live slots with the highest hash of
-(slot, the W window entries), the last W slots protected, packed in order into the destination pages; it asserts
-the ring holds exactly the last W positions (so a stale or missing window is caught). Accepting tokens, stop
-checks and finishing are the engine's own.
+query-row holder's computed tokens, and a token buffer; a decode whose input token is still pending reads it
+from that buffer, as the device does. "Sampling" hashes the slots read through the page table, so any lost,
+misplaced or overwritten KV changes the output. A compression keeps, per request, the ``M * S`` live slots
+with the highest hash of (slot, the W window entries), the last W slots protected, packed in order into the
+destination pages; it asserts the ring holds exactly the last W positions (so a stale or missing window is
+caught). Accepting tokens, stop checks and finishing are the engine's own.
 """
 
 import collections

@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compaction import compact_slots
-from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.compression.step import CompressionBatch, compress, slot_scores
 from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.selection import select_slots
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
@@ -168,20 +168,20 @@ def test_compress_through_the_kernel_equals_compress():
     spare = sorted(set(range(1, num_pages)) - set(np.asarray(tables).ravel().tolist()))
     dst = np.array(tables[:, :budget])
     dst[1, 0], dst[2, 1] = spare[:2]  # copy-on-write pages next to in-place ones
-    plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
-                           dst_tables=jnp.asarray(dst), query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
-                           logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
-                           compressed_before=jnp.asarray([True, False, True, False]),
-                           valid=jnp.asarray(num_src > 0))
+    comp = CompressionBatch(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
+                            dst_tables=jnp.asarray(dst), query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                            logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
+                            compressed_before=jnp.asarray([True, False, True, False]),
+                            valid=jnp.asarray(num_src > 0))
     cfg, scale = ScoringConfig(window=window, sink_tokens=1), dim ** -0.5
-    scores = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)  # [B, L, Hkv, N]
+    scores = slot_scores(k_pool, score_cache, query_cache, comp, cfg, scale, REFERENCE)  # [B, L, Hkv, N]
 
     def layer_step(layer, pools):
         kept = select_slots(scores[:, layer], budget * page)
-        return compact_slots(*pools, layer, kept, plan.src_tables, plan.dst_tables, plan.valid,
+        return compact_slots(*pools, layer, kept, comp.src_tables, comp.dst_tables, comp.valid,
                              interpret=INTERPRET)
 
-    want = compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)[:2]
+    want = compress(k_pool, v_pool, score_cache, query_cache, comp, cfg, scale, REFERENCE)[:2]
     got = jax.lax.fori_loop(0, layers, layer_step, (jnp.copy(k_pool), jnp.copy(v_pool)))
     for name, g, w in zip("KV", got, want):
         np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {name} pool")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import paged_decode_ref
-from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.compression.step import CompressionBatch, compress, slot_scores
 from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.selection import select_slots
 from zipage_jax.layers.attention import REFERENCE
@@ -106,7 +106,7 @@ def window_queries(query_cache, slot, logical_len):
 
 
 def make_problem(rng, hkv, group, rows, padding, max_src=5):
-    """Pools, caches and a plan for ``rows`` requests plus ``padding`` padding rows.
+    """Pools, caches and a batch for ``rows`` requests plus ``padding`` padding rows.
 
     Requests compressed before hold exactly M+1 pages and compact in place; first compressions hold
     M+1..max_src pages and half of them write to fresh (copy-on-write) pages.
@@ -137,29 +137,29 @@ def make_problem(rng, hkv, group, rows, padding, max_src=5):
     for b in range(rows, total):  # padding rows pointing at real pages: they must still change nothing
         src[b], dst[b], num_src[b], logical[b] = src[0], src[0, :BUDGET], num_src[0], logical[0]
     order = rng.permutation(total)  # padding rows anywhere in the bucket
-    plan = dict(src_tables=src[order], num_src_pages=num_src[order], dst_tables=dst[order],
+    batch = dict(src_tables=src[order], num_src_pages=num_src[order], dst_tables=dst[order],
                 query_rows=query_rows[order], logical_lens=logical[order], compressed_before=before[order],
                 valid=(np.arange(total) < rows)[order])
-    return k_pool, v_pool, score_cache, query_cache, plan
+    return k_pool, v_pool, score_cache, query_cache, batch
 
 
-def device_plan(plan):
-    return CompressionPlan(**{name: jnp.asarray(value) for name, value in plan.items()})
+def device_batch(batch):
+    return CompressionBatch(**{name: jnp.asarray(value) for name, value in batch.items()})
 
 
-def oracle_scores(k_pool, score_cache, query_cache, plan, cfg):
+def oracle_scores(k_pool, score_cache, query_cache, batch, cfg):
     """Dense numpy scores and G ``[B, L, Hkv, N]`` of a paged problem (padding -inf / 0)."""
-    total, max_src = plan["src_tables"].shape
+    total, max_src = batch["src_tables"].shape
     hkv = k_pool.shape[2]
     final = np.full((total, LAYERS, hkv, max_src * PAGE), -np.inf)
     glob = np.zeros_like(final)
-    for b in np.nonzero(plan["valid"])[0]:
-        n, table = plan["num_src_pages"][b] * PAGE, plan["src_tables"][b]
+    for b in np.nonzero(batch["valid"])[0]:
+        n, table = batch["num_src_pages"][b] * PAGE, batch["src_tables"][b]
         keys = np.stack([slot_values(k_pool, layer, table, n) for layer in range(LAYERS)]).astype(np.float64)
         history = np.stack([slot_values(score_cache, layer, table, n) for layer in range(LAYERS)])
-        queries = window_queries(query_cache, plan["query_rows"][b], plan["logical_lens"][b]).astype(np.float64)
+        queries = window_queries(query_cache, batch["query_rows"][b], batch["logical_lens"][b]).astype(np.float64)
         final[b, :, :, :n], glob[b, :, :, :n] = np_request_scores(
-            keys, queries, history, plan["compressed_before"][b], cfg, PAGE)
+            keys, queries, history, batch["compressed_before"][b], cfg, PAGE)
     return final, glob
 
 
@@ -173,9 +173,9 @@ def jitted_compress(cfg):
     return jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE, backend=REFERENCE), donate_argnums=(0, 1, 2))
 
 
-def device_scores(k_pool, score_cache, query_cache, plan, cfg):
+def device_scores(k_pool, score_cache, query_cache, batch, cfg):
     return np.asarray(jitted_scores(cfg)(jnp.asarray(k_pool), jnp.asarray(score_cache), jnp.asarray(query_cache),
-                                         device_plan(plan)))
+                                         device_batch(batch)))
 
 
 def assert_scores_close(got, want):
@@ -207,9 +207,9 @@ SCORING_CASES = [
 @pytest.mark.parametrize("cfg,group,rows,padding", SCORING_CASES)
 def test_slot_scores_match_dense_numpy(cfg, group, rows, padding):
     rng = seeded_rng()
-    k_pool, _, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=group, rows=rows, padding=padding)
-    got = device_scores(k_pool, score_cache, query_cache, plan, cfg)
-    want, _ = oracle_scores(k_pool, score_cache, query_cache, plan, cfg)
+    k_pool, _, score_cache, query_cache, batch = make_problem(rng, hkv=2, group=group, rows=rows, padding=padding)
+    got = device_scores(k_pool, score_cache, query_cache, batch, cfg)
+    want, _ = oracle_scores(k_pool, score_cache, query_cache, batch, cfg)
     assert got.shape == want.shape and got.dtype == np.float32
     assert_scores_close(got, want)
 
@@ -217,11 +217,11 @@ def test_slot_scores_match_dense_numpy(cfg, group, rows, padding):
 def test_history_and_pooling_knobs_change_the_scores():
     """Guards the oracle comparison above against knobs that silently do nothing."""
     rng = seeded_rng()
-    k_pool, _, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=4, rows=4, padding=0)
-    plan["compressed_before"][:] = [True, True, False, False]
-    plan["num_src_pages"][:] = BUDGET + 1
+    k_pool, _, score_cache, query_cache, batch = make_problem(rng, hkv=2, group=4, rows=4, padding=0)
+    batch["compressed_before"][:] = [True, True, False, False]
+    batch["num_src_pages"][:] = BUDGET + 1
     base = ScoringConfig(window=WINDOW, global_score=False, pooling=False, redundancy="off")
-    scores = {name: device_scores(k_pool, score_cache, query_cache, plan, cfg) for name, cfg in {
+    scores = {name: device_scores(k_pool, score_cache, query_cache, batch, cfg) for name, cfg in {
         "base": base,
         "global": ScoringConfig(window=WINDOW, global_score=True, pooling=False, redundancy="off"),
         "pool_first": ScoringConfig(window=WINDOW, global_score=False, pooling=True, redundancy="off"),
@@ -286,16 +286,16 @@ COMPRESS_CASES = [
 def test_compress_end_to_end(cfg, group):
     rng = seeded_rng()
     hkv = 2
-    k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=hkv, group=group, rows=3, padding=1)
-    scores = device_scores(k_pool, score_cache, query_cache, plan, cfg)
-    _, glob = oracle_scores(k_pool, score_cache, query_cache, plan, cfg)
+    k_pool, v_pool, score_cache, query_cache, batch = make_problem(rng, hkv=hkv, group=group, rows=3, padding=1)
+    scores = device_scores(k_pool, score_cache, query_cache, batch, cfg)
+    _, glob = oracle_scores(k_pool, score_cache, query_cache, batch, cfg)
     keep = BUDGET * PAGE
     new_k, new_v, new_scores = map(np.asarray, jitted_compress(cfg)(
         jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache), jnp.asarray(query_cache),
-        device_plan(plan)))
+        device_batch(batch)))
 
-    valid_rows = np.nonzero(plan["valid"])[0]
-    written = set(plan["dst_tables"][valid_rows].ravel().tolist())
+    valid_rows = np.nonzero(batch["valid"])[0]
+    written = set(batch["dst_tables"][valid_rows].ravel().tolist())
     untouched = np.array(sorted(set(range(k_pool.shape[1])) - written))
     # other requests' pages, recent pages, copy-on-write sources, padding rows' pages, the null page
     np.testing.assert_array_equal(new_k[:, untouched], k_pool[:, untouched])
@@ -304,12 +304,12 @@ def test_compress_end_to_end(cfg, group):
     if not cfg.tracks_history:
         np.testing.assert_array_equal(new_scores, score_cache)
 
-    q = rng.standard_normal((len(plan["valid"]), hkv * group, DIM)).astype(np.float32)
+    q = rng.standard_normal((len(batch["valid"]), hkv * group, DIM)).astype(np.float32)
     for layer in range(LAYERS):
         attn = np.asarray(paged_decode_ref(q, new_k, new_v, layer, np.full(len(q), keep, np.int32),
-                                           plan["dst_tables"], SCALE))
+                                           batch["dst_tables"], SCALE))
         for b in valid_rows:
-            n, src, dst = plan["num_src_pages"][b] * PAGE, plan["src_tables"][b], plan["dst_tables"][b]
+            n, src, dst = batch["num_src_pages"][b] * PAGE, batch["src_tables"][b], batch["dst_tables"][b]
             old_k, old_v = slot_values(k_pool, layer, src, n), slot_values(v_pool, layer, src, n)
             kept = np.stack([np_top_k(scores[b, layer, h], keep) for h in range(hkv)])  # [Hkv, keep]
             heads = np.arange(hkv)[:, None]
@@ -331,12 +331,12 @@ def test_consecutive_compressions_carry_the_kept_history(group):
     rng = seeded_rng()
     hkv, hq, rounds = 2, 2 * group, 4
     cfg = ScoringConfig(window=WINDOW, sink_tokens=1, redundancy="lightning")
-    k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=hkv, group=group, rows=2, padding=1)
-    row = int(np.nonzero(plan["valid"] & ~plan["compressed_before"])[0][0]) if \
-        (plan["valid"] & ~plan["compressed_before"]).any() else int(np.nonzero(plan["valid"])[0][0])
-    plan["compressed_before"][row] = False
-    n = plan["num_src_pages"][row] * PAGE
-    src = plan["src_tables"][row]
+    k_pool, v_pool, score_cache, query_cache, batch = make_problem(rng, hkv=hkv, group=group, rows=2, padding=1)
+    row = int(np.nonzero(batch["valid"] & ~batch["compressed_before"])[0][0]) if \
+        (batch["valid"] & ~batch["compressed_before"]).any() else int(np.nonzero(batch["valid"])[0][0])
+    batch["compressed_before"][row] = False
+    n = batch["num_src_pages"][row] * PAGE
+    src = batch["src_tables"][row]
     # numpy state of the request, per (layer, head): keys, values, score history
     keys = np.stack([slot_values(k_pool, layer, src, n) for layer in range(LAYERS)])
     values = np.stack([slot_values(v_pool, layer, src, n) for layer in range(LAYERS)])
@@ -344,27 +344,27 @@ def test_consecutive_compressions_carry_the_kept_history(group):
     keep = BUDGET * PAGE
     kdev, vdev, sdev = jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache)
     qcache = query_cache.copy()
-    slot = plan["query_rows"][row]
+    slot = batch["query_rows"][row]
     for round_index in range(rounds):
-        logical = plan["logical_lens"][row]
+        logical = batch["logical_lens"][row]
         queries = window_queries(qcache, slot, logical).astype(np.float64)
-        want, glob = np_request_scores(keys.astype(np.float64), queries, history, plan["compressed_before"][row],
+        want, glob = np_request_scores(keys.astype(np.float64), queries, history, batch["compressed_before"][row],
                                        cfg, PAGE)
-        got = device_scores(kdev, sdev, qcache, plan, cfg)
+        got = device_scores(kdev, sdev, qcache, batch, cfg)
         assert_scores_close(got[row, :, :, :n], want)
-        kdev, vdev, sdev = jitted_compress(cfg)(kdev, vdev, sdev, jnp.asarray(qcache), device_plan(plan))
+        kdev, vdev, sdev = jitted_compress(cfg)(kdev, vdev, sdev, jnp.asarray(qcache), device_batch(batch))
         kept = np.stack([[np_top_k(got[row, layer, h], keep) for h in range(hkv)] for layer in range(LAYERS)])
         keys = np.take_along_axis(keys, kept[..., None], axis=2)
         values = np.take_along_axis(values, kept[..., None], axis=2)
         history = np.take_along_axis(glob, kept, axis=2).astype(np.float32)
-        dst = plan["dst_tables"][row]
+        dst = batch["dst_tables"][row]
         k_np, v_np, s_np = map(np.asarray, (kdev, vdev, sdev))
         for layer in range(LAYERS):
             np.testing.assert_array_equal(slot_values(k_np, layer, dst, keep), keys[layer])
             np.testing.assert_array_equal(slot_values(v_np, layer, dst, keep), values[layer])
             np.testing.assert_allclose(slot_values(s_np, layer, dst, keep), history[layer], rtol=2e-4, atol=2e-6)
         # the request now owns dst + its old last page (recent page), refilled with one page of new tokens
-        recent = src[plan["num_src_pages"][row] - 1]
+        recent = src[batch["num_src_pages"][row] - 1]
         fresh_k = rng.standard_normal((LAYERS, hkv, PAGE, DIM)).astype(np.float32)
         fresh_v = rng.standard_normal((LAYERS, hkv, PAGE, DIM)).astype(np.float32)
         kdev, vdev = kdev.at[:, recent].set(fresh_k), vdev.at[:, recent].set(fresh_v)
@@ -375,13 +375,13 @@ def test_consecutive_compressions_carry_the_kept_history(group):
         src = np.zeros_like(src)
         src[:BUDGET + 1] = list(dst) + [recent]
         n = (BUDGET + 1) * PAGE
-        plan["src_tables"][row], plan["num_src_pages"][row] = src, BUDGET + 1
-        plan["logical_lens"][row] = logical + PAGE
-        plan["compressed_before"][row] = True
-        plan["dst_tables"][row] = src[:BUDGET]
+        batch["src_tables"][row], batch["num_src_pages"][row] = src, BUDGET + 1
+        batch["logical_lens"][row] = logical + PAGE
+        batch["compressed_before"][row] = True
+        batch["dst_tables"][row] = src[:BUDGET]
     # decode over the final state: attention over exactly the tracked tokens of each head
-    q = rng.standard_normal((len(plan["valid"]), hq, DIM)).astype(np.float32)
-    tables = plan["src_tables"]
+    q = rng.standard_normal((len(batch["valid"]), hq, DIM)).astype(np.float32)
+    tables = batch["src_tables"]
     lens = np.where(np.arange(len(q)) == row, n, 0).astype(np.int32)
     for layer in range(LAYERS):
         attn = np.asarray(paged_decode_ref(q, kdev, vdev, layer, lens, tables, SCALE))
@@ -392,12 +392,12 @@ def test_consecutive_compressions_carry_the_kept_history(group):
 
 def test_compress_rejects_bad_shapes():
     rng = seeded_rng()
-    k_pool, v_pool, score_cache, query_cache, plan = make_problem(rng, hkv=2, group=2, rows=1, padding=0)
+    k_pool, v_pool, score_cache, query_cache, batch = make_problem(rng, hkv=2, group=2, rows=1, padding=0)
     args = (jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache))
     with pytest.raises(ValueError, match="query_cache"):
-        compress(*args, jnp.asarray(query_cache[:, :, :2]), device_plan(plan), DEFAULT, SCALE, REFERENCE)
+        compress(*args, jnp.asarray(query_cache[:, :, :2]), device_batch(batch), DEFAULT, SCALE, REFERENCE)
     with pytest.raises(ValueError, match="score_cache"):
-        compress(*args[:2], args[2][:, :, :1], jnp.asarray(query_cache), device_plan(plan), DEFAULT, SCALE, REFERENCE)
-    wide = dict(plan, dst_tables=plan["src_tables"])
+        compress(*args[:2], args[2][:, :, :1], jnp.asarray(query_cache), device_batch(batch), DEFAULT, SCALE, REFERENCE)
+    wide = dict(batch, dst_tables=batch["src_tables"])
     with pytest.raises(ValueError, match="dst_tables"):
-        compress(*args, jnp.asarray(query_cache), device_plan(wide), DEFAULT, SCALE, REFERENCE)
+        compress(*args, jnp.asarray(query_cache), device_batch(wide), DEFAULT, SCALE, REFERENCE)

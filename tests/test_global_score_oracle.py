@@ -1,7 +1,7 @@
 """The global score through the whole engine, against an oracle that follows every token by its logical position.
 
 The engine runs requests (two of them share prompt pages through the prefix cache) through several consecutive
-compressions; each compression is recorded (the caches before and after, the plan). The oracle keeps, per
+compressions; each compression is recorded (the caches before and after, the batch). The oracle keeps, per
 request, layer and KV head, the logical positions it believes are cached, their keys (read once, when the token
 is computed) and their decayed-maximum history, and at every compression recomputes in float64, from the rules
 in docs/ARCHITECTURE.md and nothing of the engine's code: dense attention of the window queries (each sees the
@@ -32,16 +32,16 @@ TIE = 1e-5  # scores closer than this to the keep threshold may fall either way 
 
 
 def record_compressions(llm):
-    """Wrap the runner's compression dispatch: every call appends the plan and the caches around it."""
+    """Wrap the runner's compression dispatch: every call appends the batch and the caches around it."""
     runner, events = llm.engine.runner, []
     dispatch = runner._compress_group
 
     def spy(group, budget, rows, width):
-        plan = jax.tree.map(np.asarray, runner._compression_plan(group, budget, rows, width))
+        batch = jax.tree.map(np.asarray, runner._compression_batch(group, budget, rows, width))
         before = tuple(np.array(x) for x in (runner.state.k_pool, runner.state.query_cache))
         dispatch(group, budget, rows, width)
         ids = [c.request.request_id.rsplit("-", 1)[0] for c in group]
-        events.append(dict(plan=plan, ids=ids, k_before=before[0], queries=before[1],
+        events.append(dict(batch=batch, ids=ids, k_before=before[0], queries=before[1],
                            k_after=np.array(runner.state.k_pool), scores_after=np.array(runner.state.score_cache)))
 
     runner._compress_group = spy
@@ -182,21 +182,21 @@ def test_score_cache_follows_the_decayed_maximum_token_by_token(knobs):
     oracles = {rid: RequestOracle(layers, kv_heads) for rid in tokens}
     copy_on_write = 0
     for event in events:
-        plan = event["plan"]
+        batch = event["batch"]
         written = set()
-        for row in np.flatnonzero(plan.valid):
+        for row in np.flatnonzero(batch.valid):
             rid = event["ids"][row]
             oracle = oracles[rid]
             first = oracle.positions is None
-            assert bool(plan.compressed_before[row]) != first, seed
-            src = plan.src_tables[row, :plan.num_src_pages[row]]
-            dst = plan.dst_tables[row]
+            assert bool(batch.compressed_before[row]) != first, seed
+            src = batch.src_tables[row, :batch.num_src_pages[row]]
+            dst = batch.dst_tables[row]
             copy_on_write += first and not np.array_equal(dst, src[:BUDGET])
             written |= set(dst.tolist())
-            logical_len = int(plan.logical_lens[row])
+            logical_len = int(batch.logical_lens[row])
             oracle.cached(event["k_before"], src, logical_len)
             window_positions = np.arange(logical_len - cfg.window, logical_len)
-            queries = event["queries"][:, plan.query_rows[row], window_positions % cfg.window].astype(np.float64)
+            queries = event["queries"][:, batch.query_rows[row], window_positions % cfg.window].astype(np.float64)
             # layer 0: the cached keys and the ring's queries belong to the positions the oracle assigns them
             q0, k0 = layer0_qk(engine, tokens[rid], np.arange(len(tokens[rid])))
             np.testing.assert_allclose(queries[0], q0[window_positions], rtol=1e-4, atol=1e-5, err_msg=str(seed))
@@ -226,5 +226,5 @@ def test_score_cache_follows_the_decayed_maximum_token_by_token(knobs):
         untouched = sorted(set(range(event["k_before"].shape[1])) - written)
         np.testing.assert_array_equal(event["k_after"][:, untouched], event["k_before"][:, untouched])
     assert copy_on_write >= 1, f"no first compression copied shared pages (seed {seed})"
-    assert all(len([e for e in events for r in np.flatnonzero(e["plan"].valid) if e["ids"][r] == rid]) >= 4
+    assert all(len([e for e in events for r in np.flatnonzero(e["batch"].valid) if e["ids"][r] == rid]) >= 4
                for rid in tokens), seed

@@ -10,7 +10,7 @@ import pytest
 from zipage_jax import LLM
 from zipage_jax.worker import kv_cache
 from zipage_jax.worker import packing
-from zipage_jax.compression.step import CompressionPlan
+from zipage_jax.compression.step import CompressionBatch
 from zipage_jax.config import EngineConfig
 from zipage_jax.models.config import ModelConfig
 from seeds import seeded_rng
@@ -109,16 +109,16 @@ def test_scratch_estimates_bound_what_xla_allocates():
     llm = LLM(MODEL, page_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
               compression=True, kv_budget_pages=2, compilation_cache_dir=None, max_compression_pages=64)
     engine, runner = llm.engine, llm.engine.runner
-    assert engine.sizing.num_query_rows == 8 and llm.metrics()["max_concurrency"] == 8
+    assert engine.memory_plan.num_query_rows == 8 and llm.metrics()["max_concurrency"] == 8
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
     state = jax.tree.map(spec, runner.state)
     for rows, width in ((4, 16), (16, 3)):
-        plan = CompressionPlan(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
-                               dst_tables=np.zeros((rows, 2), np.int32), query_rows=np.zeros(rows, np.int32),
-                               logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
-                               valid=np.zeros(rows, bool))
-        packed, plan_spec = packing.pack(plan)
-        compiled = runner._compress.lower(state, jnp.asarray(packed), spec=plan_spec).compile()
+        batch = CompressionBatch(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
+                                 dst_tables=np.zeros((rows, 2), np.int32), query_rows=np.zeros(rows, np.int32),
+                                 logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
+                                 valid=np.zeros(rows, bool))
+        packed, batch_spec = packing.pack(batch)
+        compiled = runner._compress.lower(state, jnp.asarray(packed), spec=batch_spec).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= kv_cache.compression_scratch_bytes(
             engine.model_cfg, engine.config, engine.dtype, rows * width)
     bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, engine.dtype, 256, "reference")

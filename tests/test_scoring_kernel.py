@@ -22,7 +22,7 @@ from zipage_jax.layers import attention
 from zipage_jax.models import weights
 from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend, sharded
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
-from zipage_jax.compression.step import CompressionPlan, compress, slot_scores
+from zipage_jax.compression.step import CompressionBatch, compress, slot_scores
 from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.scoring import paged_window_attention, window_attention
 from zipage_jax.config import EngineConfig
@@ -81,21 +81,21 @@ def test_compress_with_the_kernel_equals_jnp():
     v_pool = jnp.asarray(rng.standard_normal(k_pool.shape), jnp.bfloat16)
     score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
     query_cache = jnp.asarray(rng.standard_normal((layers, 5, window, hkv * group, dim)), jnp.bfloat16)
-    plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
-                           dst_tables=tables[:, :budget], query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
-                           logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
-                           compressed_before=jnp.asarray([True, False, True, False]),
-                           valid=jnp.asarray(num_src > 0))
+    batch = CompressionBatch(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
+                             dst_tables=tables[:, :budget], query_rows=jnp.asarray([3, 0, 1, 4], jnp.int32),
+                             logical_lens=jnp.asarray(num_src * page + [16, 0, 5, 0], jnp.int32),
+                             compressed_before=jnp.asarray([True, False, True, False]),
+                             valid=jnp.asarray(num_src > 0))
     cfg = ScoringConfig(window=window, sink_tokens=1)
     scale = dim ** -0.5
     kernel_backend = interpreted_kernel_backend()
-    got = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, backend=kernel_backend)
-    want = slot_scores(k_pool, score_cache, query_cache, plan, cfg, scale, REFERENCE)
+    got = slot_scores(k_pool, score_cache, query_cache, batch, cfg, scale, backend=kernel_backend)
+    want = slot_scores(k_pool, score_cache, query_cache, batch, cfg, scale, REFERENCE)
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
-    run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, plan, cfg, scale)
+    run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, batch, cfg, scale)
     (k_got, v_got, s_got), (k_want, v_want, s_want) = run(backend=kernel_backend), run(backend=REFERENCE)
     np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"seed {seed}")  # same kept set
     np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"seed {seed}")

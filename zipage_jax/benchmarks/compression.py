@@ -31,7 +31,7 @@ from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
 from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
 from zipage_jax.compression.selection import select_slots, sorted_threshold
-from zipage_jax.compression.step import CompressionPlan, compress
+from zipage_jax.compression.step import CompressionBatch, compress
 from zipage_jax.config import ScoringConfig
 from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
 from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
@@ -82,10 +82,10 @@ def compression_case(key, model_cfg, batch, budget, page_size, table_pages, dtyp
                                               model_cfg.head_dim), dtype)
     live = (jax.random.permutation(keys[4], batch * live_pages) + 1).reshape(batch, live_pages).astype(jnp.int32)
     tables = jnp.zeros((batch, table_pages), jnp.int32).at[:, :live_pages].set(live)
-    plan = CompressionPlan(src_tables=tables, num_src_pages=jnp.full((batch,), live_pages, jnp.int32),
-                           dst_tables=live[:, :budget], query_rows=jnp.arange(batch, dtype=jnp.int32),
-                           logical_lens=jnp.full((batch,), live_pages * page_size + 3 * page_size, jnp.int32),
-                           compressed_before=jnp.ones((batch,), bool), valid=jnp.ones((batch,), bool))
+    plan = CompressionBatch(src_tables=tables, num_src_pages=jnp.full((batch,), live_pages, jnp.int32),
+                            dst_tables=live[:, :budget], query_rows=jnp.arange(batch, dtype=jnp.int32),
+                            logical_lens=jnp.full((batch,), live_pages * page_size + 3 * page_size, jnp.int32),
+                            compressed_before=jnp.ones((batch,), bool), valid=jnp.ones((batch,), bool))
     return dict(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache, query_cache=query_cache, plan=plan)
 
 

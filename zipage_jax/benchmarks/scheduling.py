@@ -93,7 +93,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
             compression_time_share=engine.runner.compression_seconds / wall,
             num_compressions=sum(r.num_compressions for r in requests),
             num_swaps=engine.scheduler.num_swaps, num_preemptions=engine.scheduler.num_preemptions,
-            sizing=engine.sizing.as_dict(), history=engine.metrics_history(),
+            sizing=engine.memory_plan.as_dict(), history=engine.metrics_history(),
             tokens=[r.output_token_ids for r in requests])
         report["results"].append(row)
         progress(f"{mode:>5} {admission:>11}: {row['tokens_per_s']:9.1f} tok/s, {steps} steps, host "

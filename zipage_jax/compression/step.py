@@ -15,8 +15,9 @@ from zipage_jax.config import EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 
 @flax.struct.dataclass
-class CompressionPlan:
-    """What to compress, for ``B`` (bucket-padded) requests; int32 / bool arrays.
+class CompressionBatch:
+    """The requests of one compression dispatch, ``B`` rows (bucket-padded), as int32 / bool arrays: what
+    ``compress`` reads, as ``PagedBatch`` is what a model step reads.
 
     ``src_tables [B, P]``: live pages in order (first ``num_src_pages`` valid, all full).
     ``dst_tables [B, M]``: pages receiving the ``M * S`` kept slots (own first pages, or copy-on-write pages).
@@ -34,7 +35,7 @@ class CompressionPlan:
     valid: jax.Array
 
 
-def _check(k_pool, score_cache, query_cache, plan, cfg):
+def _check(k_pool, score_cache, query_cache, batch, cfg):
     num_layers, _, num_kv_heads, page_size, head_dim = k_pool.shape
     if cfg.eviction_policy not in EVICTION_POLICIES:
         raise ValueError(f"cfg.eviction_policy: must be one of {EVICTION_POLICIES} (got {cfg.eviction_policy!r})")
@@ -47,56 +48,57 @@ def _check(k_pool, score_cache, query_cache, plan, cfg):
                              f"multiple of {num_kv_heads} (got {query_cache.shape})")
     if cfg.tracks_history and score_cache.shape != k_pool.shape[:4]:
         raise ValueError(f"score_cache: expected {k_pool.shape[:4]} (got {score_cache.shape})")
-    num_slots = plan.src_tables.shape[1] * page_size
-    keep = plan.dst_tables.shape[1] * page_size
+    num_slots = batch.src_tables.shape[1] * page_size
+    keep = batch.dst_tables.shape[1] * page_size
     if not cfg.window + cfg.sink_tokens <= keep < num_slots:
-        raise ValueError(f"plan.dst_tables: keeps {keep} slots; needs window + sink_tokens "
+        raise ValueError(f"batch.dst_tables: keeps {keep} slots; needs window + sink_tokens "
                          f"({cfg.window + cfg.sink_tokens}) <= kept < {num_slots} source slots")
 
 
-def _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend):
+def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend):
     """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``."""
-    batch, num_pages_per_row = plan.src_tables.shape
+    num_rows, num_pages_per_row = batch.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
     num_slots = num_pages_per_row * page_size
     if cfg.eviction_policy == "window":
-        score = recency_scores(batch, num_kv_heads, num_slots)
+        score = recency_scores(num_rows, num_kv_heads, num_slots)
         history = jnp.zeros_like(score)
     else:
-        ring = (plan.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
-        queries = query_cache[layer, plan.query_rows[:, None], ring]  # [B, W, Hq, D]
-        attn = backend.window_scores(k_pool, layer, plan.src_tables, plan.num_src_pages * page_size, queries,
+        ring = (batch.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
+        queries = query_cache[layer, batch.query_rows[:, None], ring]  # [B, W, Hq, D]
+        attn = backend.window_scores(k_pool, layer, batch.src_tables, batch.num_src_pages * page_size, queries,
                                      sm_scale)
         redundancy = None
         if cfg.redundancy != "off":
-            redundancy = paged_redundancy_scores(k_pool, layer, plan.src_tables, plan.num_src_pages, cfg,
+            redundancy = paged_redundancy_scores(k_pool, layer, batch.src_tables, batch.num_src_pages, cfg,
                                                  backend.lightning_row_sums)
         history = None
         if cfg.tracks_history:
-            history = score_cache[layer, plan.src_tables].transpose(0, 2, 1, 3).reshape(attn.shape)
-        score, history = zipage_scores(attn, redundancy, history, plan.num_src_pages, plan.compressed_before,
+            history = score_cache[layer, batch.src_tables].transpose(0, 2, 1, 3).reshape(attn.shape)
+        score, history = zipage_scores(attn, redundancy, history, batch.num_src_pages, batch.compressed_before,
                                        page_size, cfg)
-    return protect(score, plan.num_src_pages, plan.valid, page_size, cfg), history
+    return protect(score, batch.num_src_pages, batch.valid, page_size, cfg), history
 
 
-def slot_scores(k_pool, score_cache, query_cache, plan, cfg: ScoringConfig, sm_scale, backend):
+def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_scale, backend):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
-    _check(k_pool, score_cache, query_cache, plan, cfg)
+    _check(k_pool, score_cache, query_cache, batch, cfg)
     per_layer = jax.lax.map(
-        lambda layer: _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)[0],
+        lambda layer: _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)[0],
         jnp.arange(k_pool.shape[0]),
     )
     return per_layer.transpose(1, 0, 2, 3)
 
 
-def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cfg: ScoringConfig, sm_scale,
+def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
              backend):
-    """Compress every valid request of ``plan``: per (layer, KV head) keep the top ``M * S`` slots.
+    """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
 
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the
-    ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run) static and the three caches donated.
+    ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run) static
+    and the three caches donated.
     Every valid row must have ``num_src_pages >= M + 1`` full pages.
 
     Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
@@ -107,17 +109,18 @@ def compress(k_pool, v_pool, score_cache, query_cache, plan: CompressionPlan, cf
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
     """
-    _check(k_pool, score_cache, query_cache, plan, cfg)
-    keep = plan.dst_tables.shape[1] * k_pool.shape[3]
+    _check(k_pool, score_cache, query_cache, batch, cfg)
+    keep = batch.dst_tables.shape[1] * k_pool.shape[3]
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
-        scores, history = _layer_scores(k_pool, score_cache, query_cache, plan, layer, cfg, sm_scale, backend)
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
         kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
-        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, plan.src_tables, plan.dst_tables, plan.valid)
+        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
+                                               batch.valid)
         if cfg.tracks_history:
             kept_history = jnp.take_along_axis(history, kept, axis=2)
-            score_cache = scatter_slots(score_cache, layer, kept_history, plan.dst_tables, plan.valid)
+            score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
         return k_pool, v_pool, score_cache
 
     return jax.lax.fori_loop(0, k_pool.shape[0], layer_step, (k_pool, v_pool, score_cache))

@@ -162,8 +162,8 @@ class PageManager:
         self._unref(page)
         return self._take_free_page(avoid=self.compaction_sources)
 
-    def plan_compression(self, request, budget: int, defer: bool = False):
-        """Pages for compacting the request into ``budget`` pages plus a recent page.
+    def allocate_compaction(self, request, budget: int, defer: bool = False):
+        """Give the request the pages of its compaction into ``budget`` pages plus a recent page.
 
         Returns ``(src_pages, dst_pages)`` — the live pages read, the pages the kept slots are written to — or
         None when copy-on-write of shared pages needs more free pages than there are. Shared pages are only

@@ -128,7 +128,7 @@ class Scheduler:
         self._scheduled = set()
         token_budget = self.max_num_batched_tokens
         compression_pages = 0
-        compress_now = self._compression_batch_ready()
+        compress_now = self._compression_batch_ready(self._note_due_compressions())
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
@@ -176,15 +176,27 @@ class Scheduler:
         self.num_stalled = len(out.stalled)
         return out
 
-    def _compression_batch_ready(self) -> bool:
-        """Whether this step dispatches the due compressions: enough are due together (or every query-row holder is),
-        or one has waited long enough (see the module docstring)."""
+    @property
+    def _holds_back_compressions(self) -> bool:
+        """Due compressions may wait for company (``compression_min_batch``, ``compression_max_wait_steps``)."""
+        return self.compression and self.compression_max_wait_steps > 0 and self.compression_min_batch > 1
+
+    def _note_due_compressions(self) -> list[Request]:
+        """Count this step and, while compressions may be held back, note since which step each due request has
+        waited; returns the due requests."""
         self._steps += 1
-        if not self.compression or self.compression_max_wait_steps == 0 or self.compression_min_batch <= 1:
-            return True
+        if not self._holds_back_compressions:
+            return []
         due = [r for r in self.running if r.query_row is not None and not r.reached_max_tokens
                and r.num_tokens - r.num_computed_tokens == 1 and self._due_for_compression(r)]
         self._due_since = {id(r): self._due_since.get(id(r), self._steps) for r in due}
+        return due
+
+    def _compression_batch_ready(self, due: list[Request]) -> bool:
+        """Whether this step dispatches the ``due`` compressions: enough are due together (or every query-row
+        holder is), or one has waited long enough (see the module docstring)."""
+        if not self._holds_back_compressions:
+            return True
         holders = sum(r.query_row is not None for r in self.running)  # only they fall due: no more company
         return len(due) >= min(self.compression_min_batch, holders) or any(
             self._steps - since >= self.compression_max_wait_steps for since in self._due_since.values())
@@ -253,10 +265,10 @@ class Scheduler:
     def _compress_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
         assert request.query_row is not None, "compression without a query row"
         budget = self.budget(request)
-        while (plan := self.page_manager.plan_compression(request, budget, self.async_compression)) is None:
+        while (pages := self.page_manager.allocate_compaction(request, budget, self.async_compression)) is None:
             if not self._preempt_for(request, out):
                 return False
-        src, dst = plan
+        src, dst = pages
         out.compressions.append(Compression(request, src, dst, request.num_computed_tokens, request.compressed))
         request.num_evicted += request.num_physical_tokens - budget * self.page_manager.page_size
         request.num_compressions += 1

@@ -81,7 +81,7 @@ class LLMEngine:
                 raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.eos_token_ids = tuple(sorted(eos))
-        self.sizing = None
+        self.memory_plan = None
         if runner is None:
             runner, scheduler = self._build_device_side(params)
         self.runner = runner
@@ -111,7 +111,7 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
-        self.sizing = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend)
+        self.memory_plan = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend)
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile)
@@ -311,7 +311,7 @@ class LLMEngine:
             num_swaps=self.scheduler.num_swaps,
             num_query_rows=self.scheduler.num_query_rows,
             query_rows_used=self.scheduler.num_query_rows - len(self.scheduler.free_query_rows),
-            max_concurrency=self.sizing.max_concurrency,
+            max_concurrency=self.memory_plan.max_concurrency,
         )
 
     def metrics_history(self) -> list[dict]:

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from zipage_jax import parallel
-from zipage_jax.compression.step import CompressionPlan, compress
+from zipage_jax.compression.step import CompressionBatch, compress
 from zipage_jax.config import EngineConfig
 from zipage_jax.core.request import PENDING
 from zipage_jax.core.scheduler import SchedulerOutput
@@ -46,14 +46,14 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode step: the fused QKV matmul, three times a layer). The pool sizing already reserves every program's
 # scratch, so the pass can only cost time.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-# From this many rows on, cuBLAS beats XLA's Triton GEMMs in the decode step; below it Triton wins (measured on
-# the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
-CUBLAS_MIN_ROWS = 64
+# From this many tokens a step (a decode step: one a row) on, cuBLAS beats XLA's Triton GEMMs in the decode step;
+# below it Triton wins (measured on the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
+CUBLAS_MIN_TOKENS = 64
 
 
-def compiler_options(rows: int) -> dict:
-    """XLA options of a program whose matmuls have ``rows`` rows."""
-    if jax.default_backend() == "gpu" and rows >= CUBLAS_MIN_ROWS:
+def compiler_options(num_tokens: int) -> dict:
+    """XLA options of a step program over ``num_tokens`` tokens (its matmuls' first dimension)."""
+    if jax.default_backend() == "gpu" and num_tokens >= CUBLAS_MIN_TOKENS:
         return {**COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
     return COMPILER_OPTIONS
 
@@ -131,8 +131,8 @@ def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, 
     """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
     and compaction read only that head and its query group, so the step needs no collective and the backend's
     compression kernels run on one shard's heads."""
-    def run(k_pool, v_pool, score_cache, query_cache, plan):
-        return compress(k_pool, v_pool, score_cache, query_cache, plan, cfg, sm_scale, backend=backend)
+    def run(k_pool, v_pool, score_cache, query_cache, batch):
+        return compress(k_pool, v_pool, score_cache, query_cache, batch, cfg, sm_scale, backend=backend)
 
     if mesh.size > 1:
         heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.tracks_history else P()  # as allocated
@@ -219,20 +219,21 @@ class ModelRunner:
                                             batch_size=rows)
         return tensors.replace(sampled=True) if force_sampled else tensors
 
-    def _step_program(self, inputs, kind: str, rows: int) -> tuple[Program, np.ndarray]:
-        """The step program for ``inputs``; ``rows`` is the matmuls' row count (decode rows, prefill tokens)."""
+    def _step_program(self, inputs, kind: str, num_tokens: int) -> tuple[Program, np.ndarray]:
+        """The step program for ``inputs`` of ``num_tokens`` tokens (the bucket: one a row in a decode step)."""
         packed, spec = packing.pack(inputs)
         sampling = inputs["sampling"]
         mode = "penalized" if sampling.penalized else "sampled" if sampling.sampled else "greedy"
         unit = "rows" if kind == "decode" else "tokens"
-        program = Program(key=("step", spec), name=f"{kind} {rows} {unit}, {mode}", jitted=self._step,
+        program = Program(key=("step", spec), name=f"{kind} {num_tokens} {unit}, {mode}", jitted=self._step,
                           args=(self.params, self.state,
                                 jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.replicated)),
-                          static=dict(spec=spec), options=compiler_options(rows))
+                          static=dict(spec=spec), options=compiler_options(num_tokens))
         return program, packed
 
-    def _dispatch(self, inputs, requests, kind: str, num_tokens: int, rows: int) -> StepHandle:
-        program, packed = self._step_program(inputs, kind, rows)
+    def _dispatch(self, inputs, requests, kind: str, num_tokens: int, bucket: int) -> StepHandle:
+        """Run the step on ``inputs`` (``num_tokens`` real tokens, padded to ``bucket``)."""
+        program, packed = self._step_program(inputs, kind, bucket)
         self.state, tokens, logprobs = self.programs.run(program, self.params, self.state,
                                                          jax.device_put(packed, self.replicated))
         tokens.copy_to_host_async()
@@ -360,7 +361,7 @@ class ModelRunner:
         else:
             self.compression_seconds += min(seen)
 
-    def _compression_plan(self, group, budget: int, rows: int, width: int) -> CompressionPlan:
+    def _compression_batch(self, group, budget: int, rows: int, width: int) -> CompressionBatch:
         src = np.zeros((rows, width), np.int32)
         dst = np.zeros((rows, budget), np.int32)
         num_src, query_rows, logical = (np.zeros(rows, np.int32) for _ in range(3))
@@ -373,7 +374,7 @@ class ModelRunner:
             before[i], valid[i] = c.compressed_before, True
         targets = dst[valid]  # the compaction's scatter assumes distinct real pages (unique_indices)
         assert targets.min(initial=1) > 0 and len(np.unique(targets)) == targets.size, "overlapping dst pages"
-        return CompressionPlan(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_rows=query_rows,
+        return CompressionBatch(src_tables=src, num_src_pages=num_src, dst_tables=dst, query_rows=query_rows,
                                logical_lens=logical, compressed_before=before, valid=valid)
 
     def _compress_program(self, packed, spec, rows: int, width: int) -> Program:
@@ -382,7 +383,7 @@ class ModelRunner:
                        static=dict(spec=spec), options=COMPILER_OPTIONS)
 
     def _compress_group(self, group, budget: int, rows: int, width: int):
-        packed, spec = packing.pack(self._compression_plan(group, budget, rows, width))
+        packed, spec = packing.pack(self._compression_batch(group, budget, rows, width))
         self.state = self.programs.run(self._compress_program(packed, spec, rows, width), self.state,
                                        jax.device_put(packed, self.replicated))
 
@@ -463,7 +464,7 @@ class ModelRunner:
             programs.append(self._step_program(inputs, "prefill", num_tokens)[0])
         compressions = self._warmup_compressions()
         for budget, width, rows in compressions:
-            packed, spec = packing.pack(self._compression_plan([], budget, rows, width))
+            packed, spec = packing.pack(self._compression_batch([], budget, rows, width))
             programs.append(self._compress_program(packed, spec, rows, width))
         if compressions:
             programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_pages + 1)))
