@@ -8,8 +8,8 @@ weights three times) with q/k/v and gate/up fused into one matmul each. `to_serv
 `WEIGHTS` declares each weight once (as jax-llm-examples' ``ArrayInfo`` does): its logical axes (whence its
 shape from the ModelConfig and its tensor-parallel split), the serving buffer it is fused into, its HF tensor
 name and layout, its initializer and when the model has it. Shapes (`param_shapes`), the serving layout
-(`SERVING_LAYER_PARTS`, `to_serving`), shardings (`param_shardings`), HF loading and export and random init
-are all read off it.
+(`SERVING_LAYER_PARTS`, `to_serving`), shardings (`param_shardings`), HF loading and export, random init and the
+orbax restore are all read off it.
 
 Matrices are stored `[in, out]` (x @ W). Optional fields are None when the architecture lacks them.
 """
