@@ -31,7 +31,7 @@ from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import weights
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.worker import kv_cache
+from zipage_jax.worker import device_memory, kv_cache
 from zipage_jax.worker.compile_counter import CompileCounter
 from zipage_jax.worker.model_runner import ModelRunner, Runner
 
@@ -51,13 +51,15 @@ class LLMEngine:
                  scheduler: Scheduler | None = None, runner: Runner | None = None):
         """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights).
 
-        ``model_cfg`` and ``params``: serve these weights instead, without a tokenizer (token-id prompts, no
-        text), as the benchmarks do with random weights of real model shapes. ``scheduler`` and ``runner``: step
+        ``model_cfg`` and ``params``: serve these weights instead (``Params``, or ``ServingParams`` already in the
+        serving layout), without a tokenizer (token-id prompts, no text), as the benchmarks do with random
+        weights of real model shapes. ``scheduler`` and ``runner``: step
         these instead of building them, as the scheduler's property tests do with a fake device; the config then
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
-        parallel.join_processes(config)  # before any device query
+        with device_memory.start_backend(config.gpu_memory_utilization) as self.allocator:
+            parallel.join_processes(config)  # before any device query: the backend starts at the block's end
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -111,17 +113,13 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
-        self.sizing = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend)
+        self.sizing = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend,
+                                               allocator=self.allocator)
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile)
         page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query rows, max concurrency %d (%d compressed, "
-                 "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
-                 "scratch (%d pages per batch) from a %s budget", num_pages, config.page_size,
-                 z.pool_bytes / 2**20, z.num_query_rows, z.max_concurrency, z.max_compressed_concurrency,
-                 z.full_length_concurrency, self.max_model_len, z.reserved_step_scratch_bytes / 2**20,
-                 z.reserved_compression_scratch_bytes / 2**20, z.max_compression_pages, z.budget_source)
+        log.info("memory plan: %s", z.describe())
         return runner, Scheduler(page_manager, config, z)
 
     @classmethod
