@@ -562,10 +562,10 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
     release, compiling = threading.Event(), threading.Event()
     real_warmup = engine.warmup
 
-    def slow_warmup(progress=None):
+    def slow_warmup(progress=None, stop=None):
         compiling.set()
         assert release.wait(WAIT_S)
-        return real_warmup(progress)
+        return real_warmup(progress, stop)
 
     engine.warmup = slow_warmup
     with live_server(engine, warmup=True) as live:

@@ -300,6 +300,14 @@ def engine_kwargs(args: argparse.Namespace, names: list[str]) -> dict:
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
+def option_error(parser: argparse.ArgumentParser, error: ValueError):
+    """Exit with status 2 and one line, ``PROG: error: --option: why``, for a ``field: why`` ValueError (the
+    config's and the engine's errors name their field); the usage is left out: the option says what is wrong."""
+    field, _, why = str(error).partition(":")
+    message = f"--{field.strip().replace('_', '-')}: {why.strip()}" if why and field.isidentifier() else str(error)
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def reference_table() -> str:
     """The README's configuration reference: one markdown row per field."""
     def default(value):

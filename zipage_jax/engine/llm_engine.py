@@ -317,17 +317,19 @@ class LLMEngine:
         """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
         return list(self.history.samples)
 
-    def warmup(self, progress=None) -> dict:
+    def warmup(self, progress=None, stop=None) -> dict:
         """Compile every shape bucket now (in parallel), so no request waits on a compile later.
 
         Each compile is logged; ``progress(done, total, name, seconds)``, if given, is called too (a progress bar,
-        the server's health state). Returns the number of programs and the wall seconds compiling them took."""
+        the server's health state). Returns the number of programs and the wall seconds compiling them took.
+        ``stop``: a ``concurrent.futures.Future`` whose completion ends the warm-up at once (``CompileStopped``;
+        what was not compiled compiles on first use), as the server does when it is asked to shut down."""
         def logged(*args):
             log_compile(*args)
             if progress is not None:
                 progress(*args)
 
-        report = self.runner.warmup(logged)
+        report = self.runner.warmup(logged, stop)
         self.history.mark_steady(self)
         log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
         return report

@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import sys
 import time
 import uuid
 from collections import Counter
@@ -24,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zipage_jax.config import DEFAULT_MODEL, add_engine_options, engine_kwargs
+from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs, option_error
 from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
 from zipage_jax.entrypoints import prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
@@ -436,15 +438,29 @@ def main(argv: list[str] | None = None):
     if getattr(args, "num_processes", None) not in (None, 1):  # followers would have to mirror every step
         parser.error("--num-processes: the server drives one process; several processes serve offline batches "
                      "(README, Several GPUs and hosts)")
+    options = engine_kwargs(args, args.engine_fields)
+    try:
+        EngineConfig.from_kwargs(args.model, **options)  # a bad option: one line and status 2, before any loading
+    except ValueError as e:
+        option_error(parser, e)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     from zipage_jax.engine.llm_engine import LLMEngine  # imported late so --help needs no accelerator runtime
 
-    engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args, args.engine_fields))
+    try:
+        engine = LLMEngine.from_kwargs(args.model, **options)
+    except ValueError as e:  # what only the model and the device tell: its context, the memory plan, a Hub id
+        option_error(parser, e)
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                      served_model_name=args.served_model_name, warmup=args.warmup)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    if engine.runner.programs.compiling_unused:  # a warm-up the shutdown stopped: do not wait for its compiles
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from zipage_jax.config import EngineConfig, add_engine_options
+from zipage_jax.config import EngineConfig, add_engine_options, option_error
 from zipage_jax.config import engine_kwargs as set_engine_options
 from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_available, reference_answer
 
@@ -207,12 +207,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     return parser, add_engine_options(parser)
 
 
-def _option_error(parser: argparse.ArgumentParser, error: ValueError):
-    """Exit with argparse's usage error, naming the option of a `field: why` ValueError."""
-    field, _, why = str(error).partition(":")
-    parser.error(f"--{field.strip().replace('_', '-')}: {why.strip()}")
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser, engine_fields = build_parser()
     args = parser.parse_args(argv)
@@ -230,11 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         EngineConfig.from_kwargs(args.model, **engine_kwargs)  # validate before loading anything
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, e)
     try:
         items = load_items(args.data)
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, ValueError(f"data: {e}"))
     items = items[:args.limit] if args.limit else items
 
     from zipage_jax.engine.llm import LLM
@@ -242,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         llm = LLM(args.model, **engine_kwargs)
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, e)
     except OSError as e:  # a directory without a loadable model
         parser.error(f"--model: cannot load {args.model!r} ({e})")
     warmup = llm.warmup(use_tqdm=args.progress) if args.warmup else None
