@@ -203,8 +203,8 @@ def option_fields() -> dict:
 
 
 DESCRIPTIONS = {
-    "model": "HF checkpoint directory (config.json, safetensors, tokenizer)",
-    "tokenizer": "tokenizer path; None = the model's",
+    "model": "HF checkpoint directory (config.json, safetensors, tokenizer) or Hugging Face Hub id",
+    "tokenizer": "tokenizer directory or Hub id; None = the model's",
     "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16`, `float32`",
     "page_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
     "max_model_len": "longest prompt + output in tokens; None = the model's context",

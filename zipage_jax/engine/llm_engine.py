@@ -28,7 +28,7 @@ from zipage_jax.engine.detokenizer import IncrementalDetokenizer
 from zipage_jax.engine.metrics import MetricsHistory
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
-from zipage_jax.models import weights
+from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.worker import device_memory, kv_cache
@@ -49,7 +49,8 @@ def resolve_dtype(name: str, model_cfg: ModelConfig):
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig | None = None, params=None, *,
                  scheduler: Scheduler | None = None, runner: Runner | None = None):
-        """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights).
+        """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights): a
+        directory, or a Hugging Face Hub id downloaded into the Hub cache (``models.hub``).
 
         ``model_cfg`` and ``params``: serve these weights instead (``Params``, or ``ServingParams`` already in the
         serving layout), without a tokenizer (token-id prompts, no text), as the benchmarks do with random
@@ -64,14 +65,18 @@ class LLMEngine:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        self.model_name = pathlib.Path(config.model).name or config.model  # the id the server offers
+        local = pathlib.Path(config.model).expanduser()
+        self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
+        self.model_path = config.model  # where the files are (a Hub id's snapshot)
         self.tokenizer = None
         eos = set()
         if model_cfg is None and runner is None:
             from transformers import AutoTokenizer
 
-            model_cfg = ModelConfig.from_pretrained(config.model)
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.model_path = hub.local_dir(config.model)
+            model_cfg = ModelConfig.from_pretrained(self.model_path)
+            tokenizer = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
             self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
@@ -107,7 +112,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = parallel.make_mesh(config.tensor_parallel_size, model_cfg)
         if params is None:  # straight into the shards: no device holds more than its own
-            self.params = weights.load_sharded(config.model, model_cfg, self.dtype, self.mesh)
+            self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)
         else:
             self.params = weights.shard_params(params, self.mesh)
         backend = resolve_backend(config.attention_backend)

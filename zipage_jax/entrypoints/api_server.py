@@ -407,10 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.serve", description="Serve one model over an OpenAI-compatible HTTP API (completions, chat, "
                                                  "models, health, Prometheus metrics).")
     server = parser.add_argument_group("server")
-    server.add_argument("--model", default=DEFAULT_MODEL, help="model directory, HF layout (default: the shipped "
-                                                               "tiny-reasoner)")
+    server.add_argument("--model", default=DEFAULT_MODEL, help="model directory (HF layout) or Hugging Face Hub id "
+                                                               "(default: the shipped tiny-reasoner)")
     server.add_argument("--served-model-name", default=None,
-                        help="model id clients send (default: the model directory's name, e.g. tiny-reasoner)")
+                        help="model id clients send (default: the model directory's name, e.g. tiny-reasoner, or "
+                             "the Hub id)")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "

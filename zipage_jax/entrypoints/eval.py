@@ -186,8 +186,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
 
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.eval", description=__doc__.splitlines()[0])
     ev = parser.add_argument_group("evaluation")
-    ev.add_argument("--model", default=DEFAULT_MODEL, help="HF-layout model directory (default: the shipped "
-                                                           "tiny-reasoner)")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="HF-layout model directory or Hugging Face Hub id "
+                                                           "(default: the shipped tiny-reasoner)")
     ev.add_argument("--data", required=True, help="JSONL of {question, answer} (or problem / solution) lines, or "
                                                   "synthetic:[TASK:]SPLIT:N[:SEED] for a synthetic task")
     ev.add_argument("--samples", type=int, default=1, help="generations per question; accuracy is pass@1 averaged "
@@ -218,8 +218,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
-    if not Path(args.model).is_dir():
-        parser.error(f"--model: no model directory at {args.model!r}")
     engine_kwargs = set_engine_options(args, engine_fields)
     try:
         EngineConfig.from_kwargs(args.model, **engine_kwargs)  # validate before loading anything
