@@ -30,7 +30,7 @@ from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import SamplingParams, completion_budget
 from zipage_jax.worker import device_memory, kv_cache
 from zipage_jax.worker.compile_counter import CompileCounter
 from zipage_jax.worker.model_runner import ModelRunner, Runner
@@ -133,7 +133,8 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None):
-        """Queue a request. Bad input raises ``ValueError`` and changes nothing."""
+        """Queue a request. Bad input raises ``ValueError`` and changes nothing. A ``max_tokens`` beyond what the
+        prompt leaves of ``max_model_len`` is capped, as vLLM's offline API does (``completion_budget``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -147,13 +148,10 @@ class LLMEngine:
             raise ValueError("prompt: empty prompt")
         if not all(isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                             f"{self.max_model_len}")
+        max_tokens = completion_budget(len(ids), params.max_tokens, self.max_model_len, reject=False)
         self._check_budget(params)
-        room = self.max_model_len - len(ids)
-        if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else next(self._seeds)
         self.add(Request(request_id, ids, params, next(self._arrivals), prompt=text, seed=seed))
 

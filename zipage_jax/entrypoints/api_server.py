@@ -30,7 +30,7 @@ from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, e
 from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
 from zipage_jax.entrypoints import prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import SamplingParams, completion_budget
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +124,16 @@ class _Service:
         return self.encode(text)
 
     def completion_budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
-        """max_tokens for a prompt (default: the rest of the context); too long a request is a 400."""
-        room = self.max_model_len - prompt_len
+        """max_tokens for a prompt (default: the rest of the context); too long a request is a 400 naming the
+        prompt or max_tokens (vLLM's server rule: ``sampling_params.completion_budget``)."""
         if prompt_len == 0:
             raise APIError(400, f"{param}: must not be empty", param=param)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = f" + {max_tokens} completion tokens" if max_tokens is not None else ""
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                                f"has {prompt_len} prompt tokens{asked}.", param=param,
-                           code="context_length_exceeded")
-        return room if max_tokens is None else max_tokens
+        try:
+            return completion_budget(prompt_len, max_tokens, self.max_model_len, reject=True)
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise APIError(400, message, param=param if field == "prompt" else field,
+                           code="context_length_exceeded") from exc
 
     def sampling_params(self, body, max_tokens: int, logprobs: bool, choice: int) -> SamplingParams:
         kwargs = dict(body.sampling_kwargs(), max_tokens=max_tokens, logprobs=True if logprobs else None)
