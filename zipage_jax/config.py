@@ -212,9 +212,10 @@ DESCRIPTIONS = {
     "max_num_batched_tokens": "token budget of one step (chunked prefill; prefill sizes are compiled up to it)",
     "max_num_prefill_seqs": "most prompt chunks in one step",
     "enable_prefix_caching": "share full prompt pages by a hash chain",
-    "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
-    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead",
-    "num_gpu_pages_override": "KV pool size in pages instead",
+    "gpu_memory_utilization": "share of each device's memory the engine uses for weights, KV pool and scratch (as "
+                              "in vLLM; jax's allocator is set to it unless `XLA_CLIENT_MEM_FRACTION` is set)",
+    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead; must fit beside weights and scratch",
+    "num_gpu_pages_override": "KV pool size in pages instead; must fit likewise",
     "seed": "engine seed: seeds of requests that bring none",
     "tensor_parallel_size": "devices to shard heads and MLP over (across hosts: every device of every process)",
     "coordinator_address": "several hosts: `host:port` of process 0, where every process joins "
