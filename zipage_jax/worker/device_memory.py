@@ -52,7 +52,11 @@ def _user_setting() -> Allocator | None:
     for name in FRACTION_VARIABLES:
         value = os.environ.get(name)
         if value:
-            return Allocator(float(value), f"{name}={value}", user_set=True)
+            try:
+                return Allocator(float(value), f"{name}={value}", user_set=True)
+            except ValueError:
+                raise ValueError(f"gpu_memory_utilization: {name}={value!r} is set, and the engine can plan only "
+                                 f"within a plain fraction of the card (unset it to use gpu_memory_utilization)")
     return None
 
 
