@@ -107,8 +107,7 @@ def read(device, utilization: float, allocator: Allocator | None = None) -> Devi
     allocator = allocator or current()
     limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
     card = int(round(limit / allocator.fraction))
-    wanted = int(utilization * card)
-    if wanted > limit + 2**20:  # not a rounding difference
+    if utilization > allocator.fraction + 1e-6:
         message = ("jax's allocator holds %.0f%% of the %.1f GiB card (%s), less than gpu_memory_utilization=%s: "
                    "the engine plans within it")
         args = (100 * allocator.fraction, card / 2**30, allocator.source, utilization)
@@ -117,5 +116,6 @@ def read(device, utilization: float, allocator: Allocator | None = None) -> Devi
         else:
             log.warning(message + "; jax sets its allocator up once, when its backend starts: create the engine "
                         "before anything else uses jax, or set %s", *args, FRACTION_VARIABLES[0])
-    return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, share_bytes=min(wanted, limit),
+    share = limit if utilization >= allocator.fraction else int(utilization * card)
+    return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, share_bytes=share,
                         allocator=allocator)

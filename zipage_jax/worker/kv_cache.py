@@ -104,9 +104,9 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     swap = (M + 1) * per_page + row_bytes if config.compression else 0
     scratch = step + comp + swap
     memory = device_memory.read(device or jax.local_devices()[0], config.gpu_memory_utilization, allocator)
-    reserved, source, budget = 0, "num_gpu_pages_override", None
+    reserved = 0  # scratch is reserved from a budget taken from the device only
     if config.num_gpu_pages_override is not None:
-        pass
+        budget, source = None, "num_gpu_pages_override"
     elif config.kv_cache_memory_bytes is not None:
         budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     elif memory is None:
@@ -129,10 +129,11 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
         rows = 0
     pool = int(num_pages) * per_page + ((rows + 1) * row_bytes if row_bytes else 0)
     if num_pages < pages_per_seq + 1 or (config.compression and rows < 1):
-        raise ValueError(f"{source}: {_budget_text(memory, budget, scratch if reserved else 0)} holds {num_pages} "
-                         f"pages of {per_page} bytes and {rows} query rows; one request of max_model_len="
-                         f"{max_model_len} needs {pages_per_seq + 1} pages" + (" and a query row" if row_bytes else "")
-                         + f" (lower max_model_len or raise {source})")
+        field = "kv_cache_memory_bytes" if source == "cpu_default" else source
+        raise ValueError(f"{field}: {_budget_text(memory, budget, reserved)} holds {num_pages} pages of {per_page} "
+                         f"bytes and {rows} query rows; one request of max_model_len={max_model_len} needs "
+                         f"{pages_per_seq + 1} pages" + (" and a query row" if row_bytes else "")
+                         + f" (lower max_model_len or raise {field})")
     if memory is not None and source in ("kv_cache_memory_bytes", "num_gpu_pages_override"):
         room = memory.limit_bytes - memory.in_use_bytes - scratch - device_memory.HEADROOM_BYTES
         if pool > room:
@@ -173,10 +174,11 @@ def _budget_text(memory, budget, reserved: int) -> str:
     """How a budget came about, for an error message."""
     if budget is None:
         return "the pool"
-    if memory is None or reserved == 0:
+    if not reserved:
         return f"a budget of {budget} bytes"
-    return (f"the engine's share of the {_gib(memory.card_bytes)} card, {_gib(memory.share_bytes)}, less the weights ({_gib(memory.in_use_bytes)}), the headroom "
-            f"({_gib(device_memory.HEADROOM_BYTES)}) and the step scratch ({_gib(reserved)}),")
+    return (f"the engine's share of the {_gib(memory.card_bytes)} card, {_gib(memory.share_bytes)}, less the "
+            f"weights ({_gib(memory.in_use_bytes)}), the headroom ({_gib(device_memory.HEADROOM_BYTES)}) and the "
+            f"step scratch ({_gib(reserved)}),")
 
 
 def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_sharding=None):
