@@ -31,9 +31,9 @@ def test_steady_share_excludes_warmup(monkeypatch):
     engine = llm.engine
     warmup = engine.runner.warmup
 
-    def slow_warmup(progress=None):
+    def slow_warmup(progress=None, stop=None):
         clock.now += WARMUP_S  # a long warm-up: it must not dilute the steady share
-        return warmup(progress)
+        return warmup(progress, stop)
 
     engine.runner.warmup = slow_warmup
     llm.warmup(use_tqdm=False)

@@ -9,6 +9,7 @@ import pytest
 
 from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
+from zipage_jax.sampling_params import completion_budget
 from zipage_jax.models import forward_dense
 from zipage_jax.worker.model_runner import Runner
 from seeds import fresh_seed, seeded_rng
@@ -126,6 +127,33 @@ def test_stops_max_tokens_and_logprobs(llm):
     stop = text[len(text) // 2:len(text) // 2 + 2]
     by_str = llm.generate([prompt], dataclasses.replace(GREEDY, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert by_str.finish_reason == "stop" and by_str.text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,capped", [(20, None, 44), (20, 44, 44), (20, 45, 44), (20, 10**6, 44),
+                                                         (20, 7, 7), (63, 5, 1)])
+def test_max_tokens_follows_vllms_rule(prompt_len, max_tokens, capped):
+    """vLLM's rule, one function for both APIs: without max_tokens a request may fill the context; beyond it,
+    the offline API caps it (generation ends at max_model_len, finish reason "length") and the server refuses it
+    naming max_tokens with vLLM's message (its 400 is tested with the server)."""
+    assert completion_budget(prompt_len, max_tokens, 64, reject=False) == capped
+    if max_tokens is not None and max_tokens > 64 - prompt_len:
+        with pytest.raises(ValueError, match=rf"^max_tokens: 'max_tokens' or 'max_completion_tokens' is too large: "
+                                             rf"{max_tokens}\. This model's maximum context length is 64 tokens and "
+                                             rf"your request has {prompt_len} input tokens"):
+            completion_budget(prompt_len, max_tokens, 64, reject=True)
+    else:
+        assert completion_budget(prompt_len, max_tokens, 64, reject=True) == capped
+    for too_long in (64, 65):
+        for reject in (False, True):
+            with pytest.raises(ValueError, match="^prompt: This model's maximum context length is 64 tokens"):
+                completion_budget(too_long, max_tokens, 64, reject=reject)
+
+
+def test_a_max_tokens_beyond_the_context_runs_to_the_context(llm):
+    engine, prompt = llm.engine, random_prompts(seeded_rng(), 1, lo=30, hi=40)[0]
+    [out] = llm.generate([prompt], dataclasses.replace(GREEDY, max_tokens=10**6), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+    assert len(prompt) + len(out.outputs[0].token_ids) == engine.max_model_len == 160
 
 
 def test_bad_inputs_raise_and_engine_keeps_serving(llm):

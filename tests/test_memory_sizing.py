@@ -2,13 +2,19 @@
 byte budget, with the peak step and compression scratch reserved; the scratch estimates bound what XLA actually
 allocates."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from zipage_jax import LLM
-from zipage_jax.worker import kv_cache
+from zipage_jax.worker import device_memory, kv_cache
 from zipage_jax.worker import packing
 from zipage_jax.compression.step import CompressionBatch
 from zipage_jax.config import EngineConfig
@@ -54,18 +60,37 @@ def test_pool_and_query_rows_from_a_byte_budget(kwargs):
     assert plan.reserved_step_scratch_bytes == 0  # an explicit pool budget reserves nothing
 
 
-def test_device_budget_reserves_step_and_compression_scratch(monkeypatch):
-    budget = 5_000_000
-    monkeypatch.setattr(kv_cache, "device_free_bytes", lambda device, utilization: budget)
-    c = config()
-    plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256)
+OURS = device_memory.Allocator(0.9, "set to gpu_memory_utilization=0.9")  # the engine started the backend
+
+
+class FakeDevice:
+    """A device whose allocator reports ``limit`` bytes it may hold and ``in_use`` held (jax's memory_stats keys)."""
+
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use, "peak_bytes_in_use": in_use, "num_allocs": 9}
+
+    def memory_stats(self):
+        return dict(self.stats)
+
+
+def test_device_budget_reserves_step_and_compression_scratch():
+    rng = seeded_rng()
+    budget, weights = 5_000_000, int(rng.integers(10**6, 10**9))
+    device = FakeDevice(weights + device_memory.HEADROOM_BYTES + budget, weights)
+    c = config()  # the allocator holds gpu_memory_utilization of the card: the share is all of its limit
+    plan = kv_cache.plan_memory(c, CFG, jnp.float32, 256, device=device,
+                                allocator=OURS)
+    assert (plan.budget_source, plan.budget_bytes, plan.weights_bytes) == ("gpu_memory_utilization", budget, weights)
     reserved = plan.step_scratch_bytes + plan.compression_scratch_bytes + plan.reserved_swap_bytes
     assert plan.reserved_step_scratch_bytes > 0 and plan.reserved_compression_scratch_bytes > 0
     page, slot = shapes_bytes(CFG, c, 4)
     assert plan.reserved_swap_bytes == 3 * page + slot
     assert plan.num_query_rows == min(8, (budget - reserved) // (3 * page + slot))
     assert plan.pool_bytes + plan.query_cache_bytes + reserved <= budget
-    hybrid, constrained = plan, kv_cache.plan_memory(config(admission="constrained"), CFG, jnp.float32, 256)
+    assert plan.headroom_bytes >= device_memory.HEADROOM_BYTES
+    hybrid = plan
+    constrained = kv_cache.plan_memory(config(admission="constrained"), CFG, jnp.float32, 256, device=device,
+                                       allocator=OURS)
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
@@ -92,6 +117,89 @@ def test_window_policy_holds_and_reserves_no_score_cache(monkeypatch):
                                                                 CFG.num_kv_heads, 16)
     k, _, scores, _ = runner.swap_out([1, 2], 0)
     assert k.shape[1] == 2 and scores.ndim == 0
+
+
+# -- the engine's share of a card (vLLM's rule) -------------------------------------------------------------------
+H100 = 85_520_809_984  # what an 80 GB H100 reports in all
+
+
+def qwen3_8b_weight_bytes(m) -> int:
+    """bf16 bytes of Qwen3-8B's weights, from its shapes: embedding and LM head, per layer q/k/v/o, the MLP and
+    the four norms, the final norm."""
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    layer += 2 * m.hidden_size + 2 * m.head_dim
+    return 2 * (2 * m.vocab_size * m.hidden_size + m.num_layers * layer + m.hidden_size)
+
+
+def qwen3_8b_plan(allocator, utilization=0.9, **kwargs):
+    """The default engine's plan for Qwen3-8B shapes on an H100 whose allocator holds ``allocator.fraction``."""
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+    from zipage_jax.layers.attention import resolve_backend
+
+    qwen = MODEL_SHAPES["qwen3-8b"]
+    weights = qwen3_8b_weight_bytes(qwen)
+    assert 16.3e9 < weights < 16.5e9  # Qwen3-8B: 8.2 B parameters
+    c = EngineConfig.from_kwargs("unused", gpu_memory_utilization=utilization, **kwargs)
+    device = FakeDevice(int(allocator.fraction * H100), weights)
+    plan = kv_cache.plan_memory(c, qwen, jnp.bfloat16, qwen.max_position_embeddings, resolve_backend("mosaic"),
+                                device=device, allocator=allocator)
+    return plan, weights
+
+
+def test_default_engine_on_an_80_gb_card_gets_vllms_pool():
+    """gpu_memory_utilization is the share of the card for weights + KV pool + scratch, as in vLLM: the default
+    LLM() of Qwen3-8B shapes gets a pool within 5 % of 0.9 x card - weights - scratch (jax's default allocator
+    fraction times 0.9 gave 35 GB, a third less)."""
+    plan, weights = qwen3_8b_plan(OURS)
+    vllm = 0.9 * H100 - weights - plan.scratch_bytes
+    assert plan.card_bytes == pytest.approx(H100, rel=1e-6) and plan.share_bytes == pytest.approx(0.9 * H100, 1e-6)
+    assert 0.95 * vllm <= plan.pool_bytes <= vllm
+    assert plan.pool_bytes > 50e9 and plan.weights_bytes == weights
+    assert plan.pool_bytes + plan.scratch_bytes + weights + plan.headroom_bytes == plan.share_bytes
+    line = plan.describe()
+    assert "card 79.65 GiB" in line and "weights 15.2" in line and "headroom 2.0" in line
+    assert "max concurrency 256" in line
+
+
+def test_an_allocator_that_holds_less_bounds_the_plan_and_says_why(caplog):
+    """A user's fraction wins (logged); jax's default fraction, met when its backend started before the engine,
+    is warned about. Either way the plan stays within what the allocator holds."""
+    with caplog.at_level("INFO", logger="zipage_jax.worker.device_memory"):
+        user, weights = qwen3_8b_plan(device_memory.Allocator(0.6, "XLA_CLIENT_MEM_FRACTION=0.6", user_set=True))
+    assert user.share_bytes == pytest.approx(0.6 * H100, rel=1e-6)
+    assert user.pool_bytes + user.scratch_bytes + weights <= 0.6 * H100
+    [record] = caplog.records
+    assert record.levelname == "INFO" and "XLA_CLIENT_MEM_FRACTION=0.6" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="zipage_jax.worker.device_memory"):
+        late, _ = qwen3_8b_plan(device_memory.Allocator(0.75, "jax's default: its backend started before"))
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "75%" in record.getMessage()
+    assert "XLA_CLIENT_MEM_FRACTION" in record.getMessage()
+    assert late.share_bytes == pytest.approx(0.75 * H100, rel=1e-6)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="zipage_jax.worker.device_memory"):
+        smaller, _ = qwen3_8b_plan(device_memory.Allocator(0.75, "jax's default"), utilization=0.5)
+    assert not caplog.records and smaller.share_bytes == pytest.approx(0.5 * H100, rel=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [("kv_cache_memory_bytes", 60 * 2**30), ("num_gpu_pages_override", 1600)])
+def test_an_explicit_pool_that_cannot_fit_is_a_value_error_at_start(field, value):
+    """40 GB on an 80 GB card beside 16 GB of weights fits (once the allocator holds 0.9 of the card); 60 GB or
+    1600 pages of 256 tokens (56 GiB) do not: the error names the field and the card, weights, scratch and pool."""
+    fits, _ = qwen3_8b_plan(OURS, kv_cache_memory_bytes=40 * 10**9)
+    assert fits.budget_source == "kv_cache_memory_bytes" and fits.pool_bytes <= 40e9
+    with pytest.raises(ValueError, match=field) as error:
+        qwen3_8b_plan(OURS, **{field: value})
+    message = str(error.value)
+    for number in ("79.65 GiB card", "weights take 15.2", "step scratch", "headroom 2.00 GiB", "KV pool of"):
+        assert number in message, message
+
+
+def test_a_device_share_too_small_for_one_request_names_gpu_memory_utilization():
+    with pytest.raises(ValueError, match="gpu_memory_utilization: the engine's share of the 79.65 GiB card"):
+        qwen3_8b_plan(OURS, utilization=0.21)
 
 
 def test_bad_budgets_and_bounds_raise():
@@ -147,3 +255,54 @@ def test_fused_compression_reserves_less_scratch_and_only_for_kernel_backends():
     assert 0 < plans[1].compression_scratch_bytes < plans[0].compression_scratch_bytes
     assert mosaic.fused_compression and not resolve_backend("reference").fused_compression
     assert sharded(mosaic, mesh=None).fused_compression
+
+
+# -- the allocator set up before jax's backend starts (a fresh process each: a backend starts once) ---------------
+ALLOCATOR_PROBE = """
+import dataclasses, json, logging, os, sys
+from jax._src import xla_bridge
+
+seen = {}
+cpu = xla_bridge._backend_factories["cpu"]
+
+def spy(*args, **kwargs):  # what the allocator would read when the backend is created
+    seen.update({name: os.environ.get(name) for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
+    return cpu.factory(*args, **kwargs)
+
+xla_bridge._backend_factories["cpu"] = dataclasses.replace(cpu, factory=spy)
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from zipage_jax.engine.llm_engine import LLMEngine  # imports start no backend
+assert not xla_bridge.backends_are_initialized()
+engine = LLMEngine.from_kwargs("tests/fixtures/hf/qwen3_untied", gpu_memory_utilization=0.6, page_size=16,
+                               max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                               compilation_cache_dir=None)
+after = {name: os.environ.get(name) for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+print("PROBE", json.dumps(dict(at_start=seen, after=after, allocator=dataclasses.asdict(engine.allocator))))
+"""
+
+
+def run_probes(*settings):
+    """The probe in a fresh process per setting, each in this environment less any allocator fraction."""
+    base = {k: v for k, v in os.environ.items() if k not in device_memory.FRACTION_VARIABLES}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", ALLOCATOR_PROBE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=root, env={**base, **extra}) for extra in settings]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        results.append((json.loads(out.split("PROBE ", 1)[1]), out))
+    return results
+
+
+def test_the_engine_sets_the_allocator_before_the_backend_starts_and_a_users_setting_wins():
+    (ours, log), (users, _) = run_probes({}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    # no setting: the backend starts with the fraction at gpu_memory_utilization; child processes do not inherit it
+    assert ours["at_start"] == {"XLA_CLIENT_MEM_FRACTION": "0.6", "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+    assert ours["after"] == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+    assert ours["allocator"]["fraction"] == 0.6 and not ours["allocator"]["user_set"]
+    assert "memory plan: KV pool" in log  # one line (CPU reports no memory: the CPU default pool)
+    # the user's own variable wins, and the engine sets none beside it (jax refuses both names at once)
+    assert users["at_start"] == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert users["after"] == users["at_start"]
+    assert users["allocator"] == {"fraction": 0.5, "source": "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5", "user_set": True}

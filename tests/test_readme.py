@@ -16,3 +16,15 @@ def test_python_api_example_prints_what_the_readme_shows():
         exec(compile(code, "README.md", "exec"), {})
     assert printed.getvalue() == shown
     assert "\\boxed{3729825}" in shown and "\\boxed{1260463}" in shown  # 67815*55 and 30743*41
+
+
+def test_the_server_example_uses_the_budget_the_python_example_shows_answering_correctly():
+    """The server example's compression settings are the Python example's, whose correct answers the test above
+    checks (at the tighter budget it once showed, 4 pages, the shipped model gets both questions wrong)."""
+    text = README.read_text()
+    python = text.split("## Python API", 1)[1]
+    server = re.search(r"python -m zipage_jax\.serve [^\n]*", text.split("## Server", 1)[1]).group(0)
+    budget = re.search(r"kv_budget_pages=(\d+)", python).group(1)
+    page_size = re.search(r"page_size=(\d+)", python).group(1)
+    assert f"--kv-budget-pages {budget}" in server and f"--page-size {page_size}" in server
+    assert "--compression" in server and "compression=True" in python

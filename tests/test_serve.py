@@ -461,7 +461,9 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
     ("/v1/completions", _completion(prompt=[10**6]), 400, "prompt", "token ids"),
     ("/v1/completions", _completion(prompt="FULL_CONTEXT"), 400, "prompt", "maximum context length"),
-    ("/v1/completions", _completion(prompt="HALF_CONTEXT", max_tokens="HALF_CONTEXT+1"), 400, "prompt",
+    ("/v1/completions", _completion(prompt="HALF_CONTEXT", max_tokens="HALF_CONTEXT+1"), 400, "max_tokens",
+     "'max_tokens' or 'max_completion_tokens' is too large"),
+    ("/v1/chat/completions", _chat(max_completion_tokens="FULL_CONTEXT_TOKENS"), 400, "max_tokens",
      "maximum context length"),
     ("/v1/chat/completions", _chat(messages=[]), 400, "messages", "messages"),
     ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "messages"),
@@ -477,7 +479,7 @@ def test_bad_input_gets_a_4xx_in_openai_error_shape(live, model, engine, path, b
     if isinstance(body, dict):
         half, token = engine.max_model_len // 2, engine.tokenizer.encode("y", add_special_tokens=False)[0]
         fill = {"MODEL": model, "FULL_CONTEXT": [token] * engine.max_model_len, "HALF_CONTEXT": [token] * half,
-                "HALF_CONTEXT+1": engine.max_model_len - half + 1}
+                "HALF_CONTEXT+1": engine.max_model_len - half + 1, "FULL_CONTEXT_TOKENS": engine.max_model_len}
         body = json.dumps({k: fill.get(v, v) if isinstance(v, str) else v for k, v in body.items()}).encode()
     r = httpx.post(f"{live.url}{path}", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
@@ -562,10 +564,10 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
     release, compiling = threading.Event(), threading.Event()
     real_warmup = engine.warmup
 
-    def slow_warmup(progress=None):
+    def slow_warmup(progress=None, stop=None):
         compiling.set()
         assert release.wait(WAIT_S)
-        return real_warmup(progress)
+        return real_warmup(progress, stop)
 
     engine.warmup = slow_warmup
     with live_server(engine, warmup=True) as live:

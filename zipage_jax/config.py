@@ -208,8 +208,8 @@ def option_fields() -> dict:
 
 
 DESCRIPTIONS = {
-    "model": "HF checkpoint directory (config.json, safetensors, tokenizer)",
-    "tokenizer": "tokenizer path; None = the model's",
+    "model": "HF checkpoint directory (config.json, safetensors, tokenizer) or Hugging Face Hub id",
+    "tokenizer": "tokenizer directory or Hub id; None = the model's",
     "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16`, `float32`",
     "page_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
     "max_model_len": "longest prompt + output in tokens; None = the model's context",
@@ -217,9 +217,10 @@ DESCRIPTIONS = {
     "max_num_batched_tokens": "token budget of one step (chunked prefill; prefill sizes are compiled up to it)",
     "max_num_prefill_seqs": "most prompt chunks in one step",
     "enable_prefix_caching": "share full prompt pages by a hash chain",
-    "gpu_memory_utilization": "fraction of device memory for weights, KV pool and scratch",
-    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead",
-    "num_gpu_pages_override": "KV pool size in pages instead",
+    "gpu_memory_utilization": "share of each device's memory the engine uses for weights, KV pool and scratch (as "
+                              "in vLLM; jax's allocator is set to it unless `XLA_CLIENT_MEM_FRACTION` is set)",
+    "kv_cache_memory_bytes": "KV pool size in bytes (per device) instead; must fit beside weights and scratch",
+    "num_gpu_pages_override": "KV pool size in pages instead; must fit likewise",
     "seed": "engine seed: seeds of requests that bring none",
     "tensor_parallel_size": "devices to shard heads and MLP over (across hosts: every device of every process)",
     "coordinator_address": "several hosts: `host:port` of process 0, where every process joins "
@@ -303,6 +304,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
 def engine_kwargs(args: argparse.Namespace, names: list[str]) -> dict:
     """The engine options ``names`` (from ``add_engine_options``) that were set on the command line."""
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def option_error(parser: argparse.ArgumentParser, error: ValueError):
+    """Exit with status 2 and one line, ``PROG: error: --option: why``, for a ``field: why`` ValueError (the
+    config's and the engine's errors name their field); the usage is left out: the option says what is wrong."""
+    field, _, why = str(error).partition(":")
+    message = f"--{field.strip().replace('_', '-')}: {why.strip()}" if why and field.isidentifier() else str(error)
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def reference_table() -> str:

@@ -133,18 +133,21 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     max_batch = max(batches)
     max_model_len = ctx + 1 + warmup_steps + steps
     pages_per_seq = -(-max_model_len // page_size)
-    num_pages = max_batch * pages_per_seq + 1
     config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, page_size=page_size,
                           max_model_len=max_model_len, max_num_seqs=max_batch,
                           max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
-                          num_gpu_pages_override=num_pages, attention_backend=attention_backend, seed=seed,
+                          attention_backend=attention_backend, seed=seed,
                           enable_prefix_caching=False, compilation_cache_dir=None,
                           tensor_parallel_size=tensor_parallel_size)
     t = time.perf_counter()
-    params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype))
-    jax.block_until_ready(params)
-    engine = LLMEngine(config, model_cfg, params)
-    del params  # the engine holds the serving layout
+    # the pool is sized from the card (at most what every request's pages need): the weights go in already in
+    # the serving layout, so no stacked copy is held while the plan reads what is in use
+    engine = LLMEngine(config, model_cfg, weights.to_serving(
+        weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype)), tensor_parallel_size))
+    num_pages = engine.num_pages
+    if num_pages < max_batch * pages_per_seq + 1:
+        raise ValueError(f"batch: {max_batch} requests of {max_model_len} tokens need {max_batch * pages_per_seq} "
+                         f"pages; the KV pool the card leaves holds {num_pages - 1} (lower --batch or --ctx)")
     progress(f"random params + KV pool ({num_pages} pages of {page_size}): {time.perf_counter() - t:.1f}s")
     recorder = _Recorder(engine.runner)
 

@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from zipage_jax.config import EngineConfig, add_engine_options, option_fields
+from zipage_jax.config import EngineConfig, add_engine_options, option_error, option_fields
 from zipage_jax.config import engine_kwargs as set_options
 from zipage_jax.entrypoints.answers import is_correct
-from zipage_jax.entrypoints.eval import DEFAULT_MAX_TOKENS, _option_error, format_prompt, load_items
+from zipage_jax.entrypoints.eval import DEFAULT_MAX_TOKENS, format_prompt, load_items
 
 FULL_KV = "full-kv"
 ABLATIONS = {  # name -> EngineConfig overrides (the engine's other defaults apply)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             EngineConfig.from_kwargs(args.model, **engine_kwargs(base, overrides, budgets))  # validate before loading
         datasets = {data: load_items(data)[:args.limit] for data in args.data}
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, e)
     if not Path(args.model).is_dir():
         parser.error(f"--model: no model directory at {args.model!r}")
 

@@ -14,13 +14,18 @@ class MemoryPlan:
 
     max_model_len: int
     dtype: np.dtype  # of the KV pool and the query cache
-    budget_source: str  # num_gpu_pages_override, kv_cache_memory_bytes, device or cpu_default
+    budget_source: str  # num_gpu_pages_override, kv_cache_memory_bytes, gpu_memory_utilization or cpu_default
     budget_bytes: int | None
+    card_bytes: int | None  # the device's memory (None: it reports none, as on CPU)
+    share_bytes: int | None  # what the engine may fill: gpu_memory_utilization of the card, within the allocator
+    weights_bytes: int | None  # allocated when the plan was made: the weights
+    headroom_bytes: int | None  # what the plan leaves free in the share: room for what the scratch estimates miss
     reserved_step_scratch_bytes: int
     reserved_compression_scratch_bytes: int
     reserved_swap_bytes: int
     step_scratch_bytes: int
     compression_scratch_bytes: int
+    swap_bytes: int  # device staging of one request's swap-in (compression only)
     page_bytes: int
     num_pages: int
     pool_bytes: int
@@ -32,6 +37,27 @@ class MemoryPlan:
     max_concurrency: int
     max_compressed_concurrency: int
     full_length_concurrency: int
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The step, compression and swap scratch a full pool must leave room for."""
+        return self.step_scratch_bytes + self.compression_scratch_bytes + self.swap_bytes
+
+    def describe(self) -> str:
+        """The plan in one line (the engine logs it at start)."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        pool = f"KV pool {gib(self.pool_bytes)} ({self.num_pages} pages)"
+        if self.query_cache_bytes:
+            pool += f" + query cache {gib(self.query_cache_bytes)} ({self.num_query_rows} rows)"
+        if self.card_bytes is None:
+            memory = f"{pool} from {self.budget_source}"
+        else:
+            memory = (f"card {gib(self.card_bytes)}, engine share {gib(self.share_bytes)}: weights "
+                      f"{gib(self.weights_bytes)}, {pool} from {self.budget_source}, scratch "
+                      f"{gib(self.scratch_bytes)}, headroom {gib(self.headroom_bytes)}")
+        compressed = f"{self.max_compressed_concurrency} compressed, " if self.num_query_rows else ""
+        return (f"{memory}; max concurrency {self.max_concurrency} ({compressed}{self.full_length_concurrency} at "
+                f"full length {self.max_model_len})")
 
     def as_dict(self) -> dict:
         """The plan as JSON-ready numbers (the dtype by name)."""

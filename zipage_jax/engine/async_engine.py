@@ -7,6 +7,7 @@ only the latest cumulative output per choice, so a slow client costs memory O(1)
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -115,6 +116,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_warmup = concurrent.futures.Future()  # done on shutdown: a warm-up still compiling ends at once
 
     # -- event-loop side -------------------------------------------------------------------------------------
     def start(self):
@@ -156,6 +158,8 @@ class AsyncEngine:
     async def stop(self):
         """Abort everything still running, retire it in the engine and join the loop thread."""
         self._stopping = True
+        if not self._stop_warmup.done():
+            self._stop_warmup.set_result(None)
         if self._thread is None:
             return
         self._commands.put(("stop",))
@@ -195,9 +199,12 @@ class AsyncEngine:
 
         self.startup = "compiling programs"
         try:
-            self.engine.warmup(progress)
-        except Exception:  # programs then compile on first use; serving beats refusing to start
-            log.exception("warm-up failed; programs compile on first use")
+            self.engine.warmup(progress, stop=self._stop_warmup)
+        except Exception as error:
+            if self._stop_warmup.done():  # shutting down: compiles still running are left to finish unused
+                log.info("warm-up stopped for the shutdown (%s)", error)
+                return
+            log.exception("warm-up failed; programs compile on first use")  # serving beats refusing to start
         self.startup, self.ready = "ready", True
 
     def _drain(self, block: bool) -> list:

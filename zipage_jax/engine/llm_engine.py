@@ -28,10 +28,10 @@ from zipage_jax.engine.detokenizer import IncrementalDetokenizer
 from zipage_jax.engine.metrics import MetricsHistory
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
-from zipage_jax.models import weights
+from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.worker import kv_cache
+from zipage_jax.sampling_params import SamplingParams, completion_budget
+from zipage_jax.worker import device_memory, kv_cache
 from zipage_jax.worker.compile_counter import CompileCounter
 from zipage_jax.worker.model_runner import ModelRunner, Runner
 
@@ -49,27 +49,34 @@ def resolve_dtype(name: str, model_cfg: ModelConfig):
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig | None = None, params=None, *,
                  scheduler: Scheduler | None = None, runner: Runner | None = None):
-        """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights).
+        """``LLMEngine(config)`` serves the checkpoint ``config.model`` (its config, tokenizer and weights): a
+        directory, or a Hugging Face Hub id downloaded into the Hub cache (``models.hub``).
 
-        ``model_cfg`` and ``params``: serve these weights instead, without a tokenizer (token-id prompts, no
-        text), as the benchmarks do with random weights of real model shapes. ``scheduler`` and ``runner``: step
+        ``model_cfg`` and ``params``: serve these weights instead (``Params``, or ``ServingParams`` already in the
+        serving layout), without a tokenizer (token-id prompts, no text), as the benchmarks do with random
+        weights of real model shapes. ``scheduler`` and ``runner``: step
         these instead of building them, as the scheduler's property tests do with a fake device; the config then
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
-        parallel.join_processes(config)  # before any device query
+        with device_memory.start_backend(config.gpu_memory_utilization) as self.allocator:
+            parallel.join_processes(config)  # before any device query: the backend starts at the block's end
         if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        self.model_name = pathlib.Path(config.model).name or config.model  # the id the server offers
+        local = pathlib.Path(config.model).expanduser()
+        self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
+        self.model_path = config.model  # where the files are (a Hub id's snapshot)
         self.tokenizer = None
         eos = set()
         if model_cfg is None and runner is None:
             from transformers import AutoTokenizer
 
-            model_cfg = ModelConfig.from_pretrained(config.model)
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.model_path = hub.local_dir(config.model)
+            model_cfg = ModelConfig.from_pretrained(self.model_path)
+            tokenizer = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
             self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
@@ -105,23 +112,19 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = parallel.make_mesh(config.tensor_parallel_size, model_cfg)
         if params is None:  # straight into the shards: no device holds more than its own
-            self.params = weights.load_sharded(config.model, model_cfg, self.dtype, self.mesh)
+            self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)
         else:
             self.params = weights.shard_params(params, self.mesh)
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
-        self.memory_plan = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend)
+        self.memory_plan = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend,
+                                                    allocator=self.allocator)
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile)
         page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB), %d query rows, max concurrency %d (%d compressed, "
-                 "%d at full length), max_model_len %d; reserved %.1f MiB step scratch + %.1f MiB compression "
-                 "scratch (%d pages per batch) from a %s budget", num_pages, config.page_size,
-                 z.pool_bytes / 2**20, z.num_query_rows, z.max_concurrency, z.max_compressed_concurrency,
-                 z.full_length_concurrency, self.max_model_len, z.reserved_step_scratch_bytes / 2**20,
-                 z.reserved_compression_scratch_bytes / 2**20, z.max_compression_pages, z.budget_source)
+        log.info("memory plan: %s", z.describe())
         return runner, Scheduler(page_manager, config, z)
 
     @classmethod
@@ -130,7 +133,8 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None):
-        """Queue a request. Bad input raises ``ValueError`` and changes nothing."""
+        """Queue a request. Bad input raises ``ValueError`` and changes nothing. A ``max_tokens`` beyond what the
+        prompt leaves of ``max_model_len`` is capped, as vLLM's offline API does (``completion_budget``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -144,13 +148,10 @@ class LLMEngine:
             raise ValueError("prompt: empty prompt")
         if not all(isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                             f"{self.max_model_len}")
+        max_tokens = completion_budget(len(ids), params.max_tokens, self.max_model_len, reject=False)
         self._check_budget(params)
-        room = self.max_model_len - len(ids)
-        if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else next(self._seeds)
         self.add(Request(request_id, ids, params, next(self._arrivals), prompt=text, seed=seed))
 
@@ -318,17 +319,19 @@ class LLMEngine:
         """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
         return list(self.history.samples)
 
-    def warmup(self, progress=None) -> dict:
+    def warmup(self, progress=None, stop=None) -> dict:
         """Compile every shape bucket now (in parallel), so no request waits on a compile later.
 
         Each compile is logged; ``progress(done, total, name, seconds)``, if given, is called too (a progress bar,
-        the server's health state). Returns the number of programs and the wall seconds compiling them took."""
+        the server's health state). Returns the number of programs and the wall seconds compiling them took.
+        ``stop``: a ``concurrent.futures.Future`` whose completion ends the warm-up at once (``CompileStopped``;
+        what was not compiled compiles on first use), as the server does when it is asked to shut down."""
         def logged(*args):
             log_compile(*args)
             if progress is not None:
                 progress(*args)
 
-        report = self.runner.warmup(logged)
+        report = self.runner.warmup(logged, stop)
         self.history.mark_steady(self)
         log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
         return report

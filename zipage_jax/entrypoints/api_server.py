@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import sys
 import time
 import uuid
 from collections import Counter
@@ -24,11 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zipage_jax.config import DEFAULT_MODEL, add_engine_options, engine_kwargs
+from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs, option_error
 from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
 from zipage_jax.entrypoints import prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import SamplingParams, completion_budget
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +124,16 @@ class _Service:
         return self.encode(text)
 
     def completion_budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
-        """max_tokens for a prompt (default: the rest of the context); too long a request is a 400."""
-        room = self.max_model_len - prompt_len
+        """max_tokens for a prompt (default: the rest of the context); too long a request is a 400 naming the
+        prompt or max_tokens (vLLM's server rule: ``sampling_params.completion_budget``)."""
         if prompt_len == 0:
             raise APIError(400, f"{param}: must not be empty", param=param)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = f" + {max_tokens} completion tokens" if max_tokens is not None else ""
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                                f"has {prompt_len} prompt tokens{asked}.", param=param,
-                           code="context_length_exceeded")
-        return room if max_tokens is None else max_tokens
+        try:
+            return completion_budget(prompt_len, max_tokens, self.max_model_len, reject=True)
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise APIError(400, message, param=param if field == "prompt" else field,
+                           code="context_length_exceeded") from exc
 
     def sampling_params(self, body, max_tokens: int, logprobs: bool, choice: int) -> SamplingParams:
         kwargs = dict(body.sampling_kwargs(), max_tokens=max_tokens, logprobs=True if logprobs else None)
@@ -405,10 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.serve", description="Serve one model over an OpenAI-compatible HTTP API (completions, chat, "
                                                  "models, health, Prometheus metrics).")
     server = parser.add_argument_group("server")
-    server.add_argument("--model", default=DEFAULT_MODEL, help="model directory, HF layout (default: the shipped "
-                                                               "tiny-reasoner)")
+    server.add_argument("--model", default=DEFAULT_MODEL, help="model directory (HF layout) or Hugging Face Hub id "
+                                                               "(default: the shipped tiny-reasoner)")
     server.add_argument("--served-model-name", default=None,
-                        help="model id clients send (default: the model directory's name, e.g. tiny-reasoner)")
+                        help="model id clients send (default: the model directory's name, e.g. tiny-reasoner, or "
+                             "the Hub id)")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
@@ -436,15 +439,29 @@ def main(argv: list[str] | None = None):
     if getattr(args, "num_processes", None) not in (None, 1):  # followers would have to mirror every step
         parser.error("--num-processes: the server drives one process; several processes serve offline batches "
                      "(README, Several GPUs and hosts)")
+    options = engine_kwargs(args, args.engine_fields)
+    try:
+        EngineConfig.from_kwargs(args.model, **options)  # a bad option: one line and status 2, before any loading
+    except ValueError as e:
+        option_error(parser, e)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     from zipage_jax.engine.llm_engine import LLMEngine  # imported late so --help needs no accelerator runtime
 
-    engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args, args.engine_fields))
+    try:
+        engine = LLMEngine.from_kwargs(args.model, **options)
+    except ValueError as e:  # what only the model and the device tell: its context, the memory plan, a Hub id
+        option_error(parser, e)
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                      served_model_name=args.served_model_name, warmup=args.warmup)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    if engine.runner.programs.compiling_unused:  # a warm-up the shutdown stopped: do not wait for its compiles
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from zipage_jax.config import EngineConfig, add_engine_options
+from zipage_jax.config import EngineConfig, add_engine_options, option_error
 from zipage_jax.config import engine_kwargs as set_engine_options
 from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_available, reference_answer
 
@@ -186,8 +186,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
 
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.eval", description=__doc__.splitlines()[0])
     ev = parser.add_argument_group("evaluation")
-    ev.add_argument("--model", default=DEFAULT_MODEL, help="HF-layout model directory (default: the shipped "
-                                                           "tiny-reasoner)")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="HF-layout model directory or Hugging Face Hub id "
+                                                           "(default: the shipped tiny-reasoner)")
     ev.add_argument("--data", required=True, help="JSONL of {question, answer} (or problem / solution) lines, or "
                                                   "synthetic:[TASK:]SPLIT:N[:SEED] for a synthetic task")
     ev.add_argument("--samples", type=int, default=1, help="generations per question; accuracy is pass@1 averaged "
@@ -207,12 +207,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     return parser, add_engine_options(parser)
 
 
-def _option_error(parser: argparse.ArgumentParser, error: ValueError):
-    """Exit with argparse's usage error, naming the option of a `field: why` ValueError."""
-    field, _, why = str(error).partition(":")
-    parser.error(f"--{field.strip().replace('_', '-')}: {why.strip()}")
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser, engine_fields = build_parser()
     args = parser.parse_args(argv)
@@ -224,17 +218,15 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
-    if not Path(args.model).is_dir():
-        parser.error(f"--model: no model directory at {args.model!r}")
     engine_kwargs = set_engine_options(args, engine_fields)
     try:
         EngineConfig.from_kwargs(args.model, **engine_kwargs)  # validate before loading anything
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, e)
     try:
         items = load_items(args.data)
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, ValueError(f"data: {e}"))
     items = items[:args.limit] if args.limit else items
 
     from zipage_jax.engine.llm import LLM
@@ -242,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         llm = LLM(args.model, **engine_kwargs)
     except ValueError as e:
-        _option_error(parser, e)
+        option_error(parser, e)
     except OSError as e:  # a directory without a loadable model
         parser.error(f"--model: cannot load {args.model!r} ({e})")
     warmup = llm.warmup(use_tqdm=args.progress) if args.warmup else None

@@ -304,7 +304,9 @@ def restore_params(directory, cfg: ModelConfig, device=None) -> Params:
         return checkpointer.restore(directory, params_from_flat(abstract))
 
 
-def shard_params(params: Params, mesh: Mesh) -> ServingParams:
+def shard_params(params: Params | ServingParams, mesh: Mesh) -> ServingParams:
     """The engine's weights: ``params`` in the serving layout (fused per shard of ``mesh``), placed on it."""
-    serving = to_serving(params, mesh.size)
+    serving = params if isinstance(params, ServingParams) else to_serving(params, mesh.size)
+    if serving.shards != mesh.size:
+        raise ValueError(f"params: fused for {serving.shards} shards, the mesh has {mesh.size} devices")
     return jax.device_put(serving, param_shardings(serving, mesh))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from zipage_jax import parallel
 from zipage_jax.core.memory_plan import MemoryPlan
 from zipage_jax.layers import attention
+from zipage_jax.worker import device_memory
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
 
@@ -25,15 +26,6 @@ def query_row_bytes(model_cfg, config, dtype) -> int:
     """One row of the query cache: the last ``W`` post-RoPE queries of one request, all layers and heads."""
     c = model_cfg
     return c.num_layers * config.scoring.window * c.num_heads * c.head_dim * jnp.dtype(dtype).itemsize
-
-
-def device_free_bytes(device, utilization: float) -> int | None:
-    """Memory the engine's caches and step scratch may take: ``utilization`` of the device limit minus what is
-    already in use (weights); None where the device reports no limit (CPU)."""
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] * utilization) - int(stats.get("bytes_in_use", 0))
 
 
 def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_name: str) -> int:
@@ -79,16 +71,19 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
 
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int,
-                backend: attention.AttentionBackend = attention.REFERENCE) -> MemoryPlan:
-    """Pool size, query rows ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Compression:
-    concurrency).
+                backend: attention.AttentionBackend = attention.REFERENCE, device=None,
+                allocator: device_memory.Allocator | None = None) -> MemoryPlan:
+    """Pool size, query rows ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Memory plan).
 
-    With the budget taken from the device, the peak scratch of the largest step and of the largest compression
-    batch (plus one request's swap staging) is reserved first, so a full pool never leaves a step without room.
-    ``C = available / (page_bytes * (M + 1) + query_row_bytes)``: every query-row holder can reach its steady
-    state of ``M + 1`` pages; requests without a query row (hybrid admission) live on the remaining pages.
+    From the device (the default): the engine's share of the card (``gpu_memory_utilization`` of it, within the
+    allocator's limit: ``device_memory.read``) less what is allocated (the weights) and a headroom; from it the
+    peak scratch of the largest step and of the largest compression batch (plus one request's swap staging) is
+    reserved first, so a full pool never leaves a step without room. ``C = available / (page_bytes * (M + 1) +
+    query_row_bytes)``: every query-row holder can reach its steady state of ``M + 1`` pages; requests without a
+    query row (hybrid admission) live on the remaining pages. An explicit pool (``kv_cache_memory_bytes``,
+    ``num_gpu_pages_override``) that does not fit beside the weights and the scratch is a ValueError naming it.
 
-    The budget is per device (like the device's free memory), and so are the page and query-row bytes: with
+    The budget is per device (like the device's memory), and so are the page and query-row bytes: with
     ``tensor_parallel_size`` devices a page costs each of them ``1 / tensor_parallel_size`` of its bytes (the
     scratch estimates stay those of one device holding every head: an upper bound).
     """
@@ -108,35 +103,47 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     if config.compression:
         comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, backend.fused_compression)
     swap = (M + 1) * per_page + row_bytes if config.compression else 0
-    reserved, source = 0, "num_gpu_pages_override"
+    scratch = step + comp + swap
+    memory = device_memory.read(device or jax.local_devices()[0], config.gpu_memory_utilization, allocator)
+    reserved = 0  # scratch is reserved from a budget taken from the device only
     if config.num_gpu_pages_override is not None:
-        budget = None
+        budget, source = None, "num_gpu_pages_override"
     elif config.kv_cache_memory_bytes is not None:
         budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif memory is None:
+        budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
     else:
-        budget, source = device_free_bytes(jax.local_devices()[0], config.gpu_memory_utilization), "device"
-        if budget is None:
-            budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
-        else:
-            reserved = step + comp + swap
+        budget = memory.share_bytes - memory.in_use_bytes - device_memory.HEADROOM_BYTES
+        source, reserved = "gpu_memory_utilization", scratch
     cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
         num_pages = config.num_gpu_pages_override
         rows = config.num_query_rows or min(config.max_num_seqs, max(1, (num_pages - 1) // (M + 1)))
     else:
-        available = budget - reserved
+        available = max(0, budget - reserved)
         rows = 0
         if config.compression:
             holder = (M + 1) * per_page + row_bytes
-            rows = config.num_query_rows or min(config.max_num_seqs, max(0, available // holder))
+            rows = config.num_query_rows or min(config.max_num_seqs, available // holder)
         num_pages = min(max(0, available - (rows + 1) * row_bytes) // per_page, cap)
     if not config.compression:
         rows = 0
+    pool = int(num_pages) * per_page + ((rows + 1) * row_bytes if row_bytes else 0)
     if num_pages < pages_per_seq + 1 or (config.compression and rows < 1):
-        raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes ({source}, {reserved} reserved for "
-                         f"step scratch) holds {num_pages} pages of {per_page} bytes and {rows} query rows; one "
-                         f"request of max_model_len={max_model_len} needs {pages_per_seq + 1} pages and a row_bytes "
-                         f"(lower max_model_len or raise the budget)")
+        field = "kv_cache_memory_bytes" if source == "cpu_default" else source
+        raise ValueError(f"{field}: {_budget_text(memory, budget, reserved)} holds {num_pages} pages of {per_page} "
+                         f"bytes and {rows} query rows; one request of max_model_len={max_model_len} needs "
+                         f"{pages_per_seq + 1} pages" + (" and a query row" if row_bytes else "")
+                         + f" (lower max_model_len or raise {field})")
+    if memory is not None and source in ("kv_cache_memory_bytes", "num_gpu_pages_override"):
+        room = memory.limit_bytes - memory.in_use_bytes - scratch - device_memory.HEADROOM_BYTES
+        if pool > room:
+            raise ValueError(
+                f"{source}: a KV pool of {_gib(pool)} does not fit: jax's allocator holds {_gib(memory.limit_bytes)} "
+                f"of the {_gib(memory.card_bytes)} card ({memory.allocator.source}), the weights take "
+                f"{_gib(memory.in_use_bytes)}, the step scratch {_gib(scratch)} and the headroom "
+                f"{_gib(device_memory.HEADROOM_BYTES)}, which leaves {_gib(max(0, room))} (lower {source}, or let "
+                f"the engine hold more of the card: gpu_memory_utilization)")
     compressed = min(rows, (num_pages - 1) // (M + 1)) if config.compression else 0
     if not config.compression:
         concurrency = config.max_num_seqs
@@ -146,15 +153,33 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
         concurrency = rows
     return MemoryPlan(
         max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
+        card_bytes=memory and memory.card_bytes, share_bytes=memory and memory.share_bytes,
+        weights_bytes=memory and memory.in_use_bytes,
+        headroom_bytes=memory and memory.share_bytes - memory.in_use_bytes - pool - scratch,
         reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
-        step_scratch_bytes=step, compression_scratch_bytes=comp,
+        step_scratch_bytes=step, compression_scratch_bytes=comp, swap_bytes=swap,
         page_bytes=per_page, num_pages=int(num_pages), pool_bytes=int(num_pages) * per_page,
         query_row_bytes=row_bytes, num_query_rows=int(rows),
         query_cache_bytes=(rows + 1) * row_bytes if row_bytes else 0,
         max_compression_pages=int(max_comp), pages_per_seq=pages_per_seq,
         max_concurrency=int(concurrency), max_compressed_concurrency=int(compressed),
         full_length_concurrency=int(min(config.max_num_seqs, (num_pages - 1) // pages_per_seq)))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _budget_text(memory, budget, reserved: int) -> str:
+    """How a budget came about, for an error message."""
+    if budget is None:
+        return "the pool"
+    if not reserved:
+        return f"a budget of {budget} bytes"
+    return (f"the engine's share of the {_gib(memory.card_bytes)} card, {_gib(memory.share_bytes)}, less the "
+            f"weights ({_gib(memory.in_use_bytes)}), the headroom ({_gib(device_memory.HEADROOM_BYTES)}) and the "
+            f"step scratch ({_gib(reserved)}),")
 
 
 def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_sharding=None):

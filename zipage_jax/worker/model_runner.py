@@ -480,7 +480,8 @@ class ModelRunner:
             shapes.extend((budget, width, rows) for rows in sizes)
         return shapes
 
-    def warmup(self, progress=None) -> dict:
-        """Compile every warm-up program, in parallel; returns their number and the wall seconds it took."""
+    def warmup(self, progress=None, stop=None) -> dict:
+        """Compile every warm-up program, in parallel; returns their number and the wall seconds it took.
+        ``stop``: a future that ends it early once done (``Programs.compile_all``)."""
         programs = self.warmup_programs()
-        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs, progress=progress))
+        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs, progress, stop))

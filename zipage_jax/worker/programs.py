@@ -32,9 +32,15 @@ class Programs:
     def __init__(self, progress: Callable[[int, int, str, float], None] | None = None):
         self.progress = progress or (lambda done, total, name, seconds: None)  # after each compile
         self._compiled: dict = {}
+        self._left_running: set[concurrent.futures.Future] = set()  # compiles a stopped compile_all left behind
         self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
 
     @property
+    def compiling_unused(self) -> bool:
+        """Whether compiles a stopped ``compile_all`` left behind still run (a process exiting now would wait for
+        them: XLA cannot interrupt a compile)."""
+        return any(not future.done() for future in self._left_running)
+
     def compiled(self) -> Mapping[Hashable, jax.stages.Compiled]:
         """The programs compiled so far, by key (read-only: what a benchmark or test inspects)."""
         return types.MappingProxyType(self._compiled)
@@ -47,30 +53,52 @@ class Programs:
             compiled = self._compiled[program.key]
         return compiled(*args)
 
-    def compile_all(self, programs: list[Program], progress=None):
+    def compile_all(self, programs: list[Program], progress=None, stop: concurrent.futures.Future | None = None):
         """Compile the programs not compiled yet, in parallel, calling ``progress`` (default: the one given at
-        construction) after each; returns the wall seconds it took."""
+        construction) after each; returns the wall seconds it took.
+
+        ``stop``, once done, ends the compiling at once (``CompileStopped``): the programs not started are dropped
+        and those compiling finish in the background, unused (XLA cannot be interrupted); all compile on first
+        use. The server stops its warm-up so when it is asked to shut down."""
         progress = progress or self.progress
         todo = list({p.key: p for p in programs if p.key not in self._compiled}.values())
         if not todo:
             return 0.0
         start = time.perf_counter()
-        lowered = [(p, p.jitted.lower(*jax.tree.map(_abstract, p.args), **p.static)) for p in todo]
+        stopping = {stop} if stop is not None else set()
+        lowered = []
+        for program in todo:  # tracing holds the GIL: one at a time
+            if stop is not None and stop.done():
+                raise CompileStopped(f"stopped before compiling {len(todo)} programs")
+            lowered.append((program, program.jitted.lower(*jax.tree.map(_abstract, program.args), **program.static)))
 
         def compile_one(item):
             program, low = item
             t = time.perf_counter()
             return program, low.compile(compiler_options=program.options), time.perf_counter() - t
 
-        with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(compile_one, item) for item in lowered]
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                program, compiled, seconds = future.result()
-                self._compiled[program.key] = compiled
-                progress(done, len(todo), program.name, seconds)
-        wall = time.perf_counter() - start
-        self.compile_wall_s += wall
-        return wall
+        pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1))
+        waiting, stopped = {pool.submit(compile_one, item) for item in lowered}, False
+        try:
+            while waiting:
+                done, _ = concurrent.futures.wait(waiting | stopping, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done & waiting:
+                    waiting.discard(future)
+                    program, compiled, seconds = future.result()
+                    self._compiled[program.key] = compiled
+                    progress(len(todo) - len(waiting), len(todo), program.name, seconds)
+                if waiting and stop is not None and stop.done():
+                    stopped = True
+                    self._left_running.update(waiting)
+                    raise CompileStopped(f"stopped with {len(waiting)} of {len(todo)} programs not compiled")
+        finally:
+            pool.shutdown(wait=not stopped, cancel_futures=stopped)
+            self.compile_wall_s += time.perf_counter() - start
+        return time.perf_counter() - start
+
+
+class CompileStopped(Exception):
+    """``compile_all`` was asked to stop; what it did not compile compiles on first use."""
 
 
 def _abstract(x):

@@ -1,0 +1,121 @@
+"""The share of the accelerator the engine fills, as vLLM users expect: ``gpu_memory_utilization`` of the card
+holds the weights, the KV pool and the step scratch together.
+
+jax's GPU allocator takes a fixed fraction of the card when its backend starts (75 % by default, or what
+``XLA_CLIENT_MEM_FRACTION`` / its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says) and never holds more;
+``device.memory_stats()`` reports that fraction of the card as ``bytes_limit`` and what is allocated as
+``bytes_in_use`` (it does not report the card itself). So the engine starts the backend itself, with the fraction
+set to ``gpu_memory_utilization`` (``start_backend``), unless the user set a fraction (theirs wins) or the backend
+already runs (a notebook that used jax first); ``read`` then says how much of the card the memory plan may fill.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+
+import jax
+from jax._src import xla_bridge  # backends_are_initialized: jax has no public way to ask
+
+log = logging.getLogger(__name__)
+
+FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # jax reads either, not both
+JAX_DEFAULT_FRACTION = 0.75
+HEADROOM_BYTES = 2 * 2**30  # left inside the engine's share for what the scratch estimates do not count (XLA's
+                            # GEMM autotuning while programs compile, library workspaces)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """The fraction of each card jax's allocator may hold, and who chose it."""
+
+    fraction: float
+    source: str  # e.g. "set to gpu_memory_utilization=0.9", "XLA_CLIENT_MEM_FRACTION=0.5", "jax's default"
+    user_set: bool = False  # the user's own environment variable chose it
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What one device reports, and the engine's share of it (bytes)."""
+
+    card_bytes: int  # the card's memory: the allocator's limit over its fraction
+    limit_bytes: int  # what the allocator may hold
+    in_use_bytes: int  # allocated now (the weights, when the plan reads it)
+    share_bytes: int  # what the engine may fill: gpu_memory_utilization of the card, within the allocator's limit
+    allocator: Allocator
+
+
+_started: Allocator | None = None  # how this process's backend started, once an engine started it
+
+
+def _user_setting() -> Allocator | None:
+    for name in FRACTION_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            try:
+                return Allocator(float(value), f"{name}={value}", user_set=True)
+            except ValueError:
+                raise ValueError(f"gpu_memory_utilization: {name}={value!r} is set, and the engine can plan only "
+                                 f"within a plain fraction of the card (unset it to use gpu_memory_utilization)")
+    return None
+
+
+def current() -> Allocator:
+    """How the running backend's allocator was set up (as far as this process can tell)."""
+    return _started or _user_setting() or Allocator(JAX_DEFAULT_FRACTION, "jax's default")
+
+
+@contextlib.contextmanager
+def start_backend(utilization: float):
+    """Set the allocator up for ``utilization`` of each card, for the backend started inside the block (the
+    engine joins its processes there and queries the devices); yields the ``Allocator`` it started with.
+
+    The variable is set only for the block, so child processes see the user's environment, not the engine's.
+    """
+    global _started
+    if xla_bridge.backends_are_initialized():
+        if _started is None:
+            _started = _user_setting() or Allocator(JAX_DEFAULT_FRACTION, "jax's default: its backend started "
+                                                                          "before the engine")
+        yield _started
+        return
+    setup = _user_setting()
+    name = FRACTION_VARIABLES[0]
+    if setup is None:
+        setup = Allocator(utilization, f"set to gpu_memory_utilization={utilization}")
+        os.environ[name] = repr(float(utilization))
+    try:
+        yield setup
+        jax.devices()  # the backend starts here, if the block did not start it
+    finally:
+        if not setup.user_set:
+            del os.environ[name]
+        if xla_bridge.backends_are_initialized():
+            _started = setup if setup.user_set else Allocator(
+                utilization, f"set by an earlier engine to its gpu_memory_utilization={utilization}")
+
+
+def read(device, utilization: float, allocator: Allocator | None = None) -> DeviceMemory | None:
+    """The device's memory and the engine's share of it; None where the device reports no limit (CPU).
+
+    The share is ``utilization`` of the card, capped by what the allocator may hold: a user's smaller fraction
+    is logged, a smaller one that the engine could not set (the backend started first) is warned about.
+    """
+    stats = device.memory_stats()
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    allocator = allocator or current()
+    limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    card = int(round(limit / allocator.fraction))
+    if utilization > allocator.fraction + 1e-6:
+        message = ("jax's allocator holds %.0f%% of the %.1f GiB card (%s), less than gpu_memory_utilization=%s: "
+                   "the engine plans within it")
+        args = (100 * allocator.fraction, card / 2**30, allocator.source, utilization)
+        if allocator.user_set:
+            log.info(message, *args)
+        else:
+            log.warning(message + "; jax sets its allocator up once, when its backend starts: create the engine "
+                        "before anything else uses jax, or set %s", *args, FRACTION_VARIABLES[0])
+    share = limit if utilization >= allocator.fraction else int(utilization * card)
+    return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, share_bytes=share,
+                        allocator=allocator)
