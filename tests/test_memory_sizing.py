@@ -94,12 +94,13 @@ def test_device_budget_reserves_step_and_compression_scratch():
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
-def test_window_policy_holds_and_reserves_no_score_cache(monkeypatch):
+def test_window_policy_holds_and_reserves_no_score_cache():
     """Recent-window eviction never reads a score history: no score cache on the device, no bytes for one in
     the plan (pages, compression scratch, swap staging), no scores in a swap."""
-    monkeypatch.setattr(kv_cache, "device_free_bytes", lambda device, utilization: 5_000_000)
+    device = FakeDevice(device_memory.HEADROOM_BYTES + 5_000_000, 0)
     window, zipage = config(eviction_policy="window"), config()
-    plans = {c.scoring.eviction_policy: kv_cache.plan_memory(c, CFG, jnp.float32, 256) for c in (window, zipage)}
+    plans = {c.scoring.eviction_policy: kv_cache.plan_memory(c, CFG, jnp.float32, 256, device=device, allocator=OURS)
+             for c in (window, zipage)}
     kv_only, slot = shapes_bytes(CFG, window, 4)
     assert plans["window"].page_bytes == kv_only == np.prod([CFG.num_layers, CFG.num_kv_heads, 16, CFG.head_dim]) * 8
     assert plans["zipage"].page_bytes == kv_only + CFG.num_layers * CFG.num_kv_heads * 16 * 4
@@ -107,7 +108,6 @@ def test_window_policy_holds_and_reserves_no_score_cache(monkeypatch):
     no_history = kv_cache.compression_scratch_bytes(CFG, config(global_score=False), jnp.float32, 64)
     assert kv_cache.compression_scratch_bytes(CFG, window, jnp.float32, 64) == no_history
     assert no_history < kv_cache.compression_scratch_bytes(CFG, zipage, jnp.float32, 64)
-    monkeypatch.undo()
     engines = {policy: LLM(MODEL, page_size=16, max_num_seqs=2, max_num_batched_tokens=128, max_model_len=64,
                            compression=True, kv_budget_pages=2, eviction_policy=policy,
                            compilation_cache_dir=None).engine for policy in ("window", "zipage")}
