@@ -41,6 +41,7 @@ class Programs:
         them: XLA cannot interrupt a compile)."""
         return any(not future.done() for future in self._left_running)
 
+    @property
     def compiled(self) -> Mapping[Hashable, jax.stages.Compiled]:
         """The programs compiled so far, by key (read-only: what a benchmark or test inspects)."""
         return types.MappingProxyType(self._compiled)
