@@ -230,8 +230,9 @@ DESCRIPTIONS = {
     "attention_backend": "`auto` (Mosaic GPU on Hopper, Triton through jax-triton on compute capability 8.x, "
                          "reference on CPU), `mosaic`, `mosaic_decode` (Mosaic decode, XLA prefill), `triton`, "
                          "`reference`",
-    "compilation_cache_dir": "persistent XLA compilation cache of every program; None = leave jax's own setting "
-                             "(off by default)",
+    "compilation_cache_dir": "where the compiled programs are kept (serialized executables, keyed by the code, "
+                             "jax, the device, the model and these settings): a warm start loads them without "
+                             "tracing or compiling; None = compile every start",
     "compression": "Compressed PagedAttention on/off (off = full-KV mode)",
     "kv_budget_pages": "budget `M`: a request holds at most `M+1` pages after its first compression",
     "eviction_policy": "`zipage` (attention scores) or `window` (sinks + most recent tokens)",

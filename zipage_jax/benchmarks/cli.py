@@ -91,9 +91,13 @@ def main(argv=None):
         return scheduling.main(args)
     if args.benchmark == "startup":
         report = startup_benchmark(args.model, engine_kwargs(args, args.engine_fields), args.workload)
-        print(f"LLM() {report['init_s']:.1f}s + warmup() {report['compile_s']:.1f}s = ready in "
-              f"{report['ready_s']:.1f}s; {report['programs']} programs; {report['compiles_after_warmup']} compiles "
-              f"during a mixed workload of {report['workload_requests']} requests")
+        r = report
+        print(f"LLM() {r['init_s']:.1f}s (weights {r['weights_s']:.1f}s: {r['checkpoint_bytes'] / 1e9:.2f} GB at "
+              f"{r['weights_bytes_per_s'] / 1e9:.2f} GB/s, raw parallel read {r['raw_read_bytes_per_s'] / 1e9:.2f} GB/s) "
+              f"+ warmup() {r['compile_s']:.1f}s ({r['loaded']}/{r['programs']} programs loaded in {r['load_s']:.1f}s, "
+              f"tracing {r['lower_s']:.1f}s, compiling {r['compile_sum_s']:.1f}s summed) = ready in {r['ready_s']:.1f}s; "
+              f"first token at {r['first_token_s']:.1f}s; {r['compiles_after_warmup']} compiles during a mixed "
+              f"workload of {r['workload_requests']} requests")
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(report) + "\n")

@@ -1,12 +1,36 @@
 """Start-up of the public API (``python -m zipage_jax.bench startup``): ``LLM(...)``, ``warmup()``, and the
-compiles a mixed workload meets afterwards."""
+compiles a mixed workload meets afterwards, with where the seconds go (weights against the raw read speed of the
+same files, loading stored programs, tracing, compiling)."""
 
+import concurrent.futures
+import os
+import pathlib
 import time
 
 import jax
 import numpy as np
 
 from zipage_jax.sampling_params import SamplingParams
+
+READ_CHUNK = 64 * 2**20
+
+
+def raw_read_bytes_per_s(model: str, threads: int = 16) -> tuple[int, float]:
+    """Bytes of the checkpoint's safetensors and how fast plain parallel reads of them go on this machine (into
+    one reused buffer per thread): the ceiling of loading the weights."""
+    files = sorted(pathlib.Path(model).glob("*.safetensors"))
+
+    def read(path):
+        buffer = bytearray(READ_CHUNK)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+        return path.stat().st_size
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(min(threads, max(1, len(files)))) as pool:
+        total = sum(pool.map(read, files))
+    return total, total / max(time.perf_counter() - start, 1e-9)
 
 
 def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed: int = 0) -> dict:
@@ -15,6 +39,7 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     compile nothing. Run it twice with the same ``compilation_cache_dir`` for the cold and the warm figure."""
     from zipage_jax.engine.llm import LLM
 
+    checkpoint_bytes, raw_bps = raw_read_bytes_per_s(model, os.cpu_count() or 1)
     start = time.perf_counter()
     llm = LLM(model, **engine_options)
     init_s = time.perf_counter() - start
@@ -30,10 +55,18 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
                              max_tokens=int(m), seed=i, min_tokens=2, n=1 + i % 2, logprobs=True, ignore_eos=True)
               for i, m in enumerate(rng.integers(2, 300, size=workload))]
     t = time.perf_counter()
+    first = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first_token_s = time.perf_counter() - start
+    del first
     outs = llm.generate(prompts, params, use_tqdm=False)
+    weights_s = llm.engine.weights_load_s
     return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                init_s=init_s, programs=warmup["programs"], compile_s=warmup["compile_s"], ready_s=ready_s,
+                init_s=init_s, weights_s=weights_s, checkpoint_bytes=checkpoint_bytes,
+                weights_bytes_per_s=checkpoint_bytes / max(weights_s, 1e-9), raw_read_bytes_per_s=raw_bps,
+                programs=warmup["programs"], compile_s=warmup["compile_s"], loaded=warmup["loaded"],
+                load_s=warmup["load_s"], lower_s=warmup["lower_s"], compile_sum_s=warmup["compile_sum_s"],
+                ready_s=ready_s, first_token_s=first_token_s,
                 compiles_after_warmup=llm.metrics()["num_compiles"] - compiles, workload_requests=workload,
                 workload_s=time.perf_counter() - t,
                 workload_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))

@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import pathlib
 import time
 
@@ -61,10 +60,6 @@ class LLMEngine:
         self.config = config
         with device_memory.start_backend(config.gpu_memory_utilization) as self.allocator:
             parallel.join_processes(config)  # before any device query: the backend starts at the block's end
-        if config.compilation_cache_dir:  # every program, however quick to compile: warm starts compile nothing
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         local = pathlib.Path(config.model).expanduser()
         self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
         self.model_path = config.model  # where the files are (a Hub id's snapshot)
@@ -111,10 +106,13 @@ class LLMEngine:
         config, model_cfg = self.config, self.model_cfg
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = parallel.make_mesh(config.tensor_parallel_size, model_cfg)
+        start = time.perf_counter()
         if params is None:  # straight into the shards: no device holds more than its own
             self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)
         else:
             self.params = weights.shard_params(params, self.mesh)
+        jax.block_until_ready(self.params)
+        self.weights_load_s = time.perf_counter() - start  # read, copied to the devices, converted there
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
@@ -333,7 +331,10 @@ class LLMEngine:
 
         report = self.runner.warmup(logged, stop)
         self.history.mark_steady(self)
-        log.info("warm-up: %d programs compiled in %.1fs", report["programs"], report["compile_s"])
+        log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "
+                 "compiling %.1fs summed over the parallel compiles)", report["programs"], report["compile_s"],
+                 report.get("loaded", 0), report.get("load_s", 0.0), report.get("lower_s", 0.0),
+                 report.get("compile_sum_s", 0.0))
         return report
 
 

@@ -10,7 +10,9 @@ is one field, never two copies of the model. ``load_sharded`` sends each device 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import json
 import mmap
 from pathlib import Path
@@ -41,6 +43,8 @@ _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+
+LOAD_THREADS = min(16, os.cpu_count() or 1)  # leaves read and copied to the devices at once
 
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -188,18 +192,23 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
         used.update(names)
         return _load_sharded_field(ckpt, names, hf_shapes, transpose, target, sharding, mesh.size)
 
-    layers = []
+    # Every leaf is read (memory-mapped), assembled (fused columns) and copied to its devices on a thread pool:
+    # reading one leaf overlaps the host->device copies of others (numpy and the copies release the GIL).
+    jobs = {}
     for i, (layer, sharding) in enumerate(zip(abstract.layers, targets.layers)):
-        fields = {}
         for field, parts in SERVING_LAYER_PARTS.items():
             target = getattr(layer, field)
-            fields[field] = None if target is None else load([WEIGHTS[f"layers.{p}"] for p in parts], target,
-                                                             getattr(sharding, field), i)
-        layers.append(ServingLayer(**fields))
-    top = {}
+            if target is not None:
+                jobs[(i, field)] = ([WEIGHTS[f"layers.{p}"] for p in parts], target, getattr(sharding, field), i)
     for name in (n for n in WEIGHTS if not n.startswith("layers.")):
         target = getattr(abstract, name)
-        top[name] = None if target is None else load([WEIGHTS[name]], target, getattr(targets, name))
+        if target is not None:
+            jobs[name] = ([WEIGHTS[name]], target, getattr(targets, name), None)
+    with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
+        loaded = dict(zip(jobs, pool.map(lambda job: load(*job), jobs.values())))
+    layers = [ServingLayer(**{field: loaded.get((i, field)) for field in SERVING_LAYER_PARTS})
+              for i in range(len(abstract.layers))]
+    top = {name: loaded.get(name) for name in WEIGHTS if not name.startswith("layers.")}
     _check_all_used(ckpt, used, cfg)
     return ServingParams(layers=tuple(layers), shards=mesh.size, **top)
 

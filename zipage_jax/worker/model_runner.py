@@ -17,6 +17,7 @@ first, and the host waits; asynchronous: after the step's decode and prefill, ne
 import dataclasses
 import functools
 import itertools
+import os
 import time
 import typing
 
@@ -38,6 +39,7 @@ from zipage_jax.models.config import ModelConfig
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.worker import device_state, kv_cache, packing
 from zipage_jax.worker.device_state import DeviceState
+from zipage_jax.worker.executable_store import ExecutableStore, engine_fingerprint
 from zipage_jax.worker.programs import Program, Programs
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -148,6 +150,17 @@ def _swap_gather(state: DeviceState, pages, query_row, *, history):
     return state.k_pool[:, pages], state.v_pool[:, pages], scores, state.query_cache[:, query_row]
 
 
+def swapped_shapes(state: DeviceState, size: int, history: bool) -> tuple:
+    """What ``_swap_gather`` returns for ``size`` pages, without tracing it (a warm start traces nothing)."""
+    def pages(x):
+        return jax.ShapeDtypeStruct(x.shape[:1] + (size,) + x.shape[2:], x.dtype)
+
+    scores = pages(state.score_cache) if history else jax.ShapeDtypeStruct((), jnp.float32)
+    queries = state.query_cache
+    return (pages(state.k_pool), pages(state.v_pool), scores,
+            jax.ShapeDtypeStruct(queries.shape[:1] + queries.shape[2:], queries.dtype))
+
+
 def _swap_scatter(state: DeviceState, pages, query_row, k, v, scores, queries, *, history):
     score_cache = state.score_cache.at[:, pages].set(scores) if history else state.score_cache
     return state.replace(k_pool=state.k_pool.at[:, pages].set(k), v_pool=state.v_pool.at[:, pages].set(v),
@@ -174,11 +187,15 @@ class ModelRunner:
         self.max_compression_pages = plan.max_compression_pages
         self.state = device_state.allocate(config, model_cfg, num_pages, self.num_query_rows, plan.dtype, mesh)
         self.scoring = config.scoring
-        self.programs = Programs(progress)
+        store = None
+        if config.compilation_cache_dir:  # warm starts load the programs without tracing them
+            store = ExecutableStore(os.path.join(config.compilation_cache_dir, "executables"),
+                                    engine_fingerprint(config, model_cfg, backend.name, mesh), mesh.devices.flat)
+        self.programs = Programs(progress, store)
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
                                  static_argnames=("spec",), donate_argnames=("state",))
-        history = config.tracks_history
+        self._swap_history = history = config.tracks_history
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
         self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history),
                                      donate_argnames=("state",))
@@ -393,9 +410,8 @@ class ModelRunner:
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
         gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (self.state,) + index,
                          options=COMPILER_OPTIONS)
-        if state is None:
-            state = jax.eval_shape(self._swap_gather, self.state, *index)
-        state = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+        state = swapped_shapes(self.state, size, self._swap_history) if state is None else \
+            tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter,
                           (self.state,) + index + state, options=COMPILER_OPTIONS)
         return gather, scatter
@@ -481,7 +497,12 @@ class ModelRunner:
         return shapes
 
     def warmup(self, progress=None, stop=None) -> dict:
-        """Compile every warm-up program, in parallel; returns their number and the wall seconds it took.
-        ``stop``: a future that ends it early once done (``Programs.compile_all``)."""
+        """Compile (or load from the executable store) every warm-up program, in parallel; returns their number,
+        the wall seconds it took and where they went (see ``Programs``). ``stop``: a future that ends it early once
+        done (``Programs.compile_all``)."""
         programs = self.warmup_programs()
-        return dict(programs=len(programs), compile_s=self.programs.compile_all(programs, progress, stop))
+        p = self.programs
+        before = (p.load_s, p.lower_s, p.compile_s, p.store.loaded if p.store else 0)
+        wall = p.compile_all(programs, progress, stop)
+        return dict(programs=len(programs), compile_s=wall, load_s=p.load_s - before[0], lower_s=p.lower_s - before[1],
+                    compile_sum_s=p.compile_s - before[2], loaded=(p.store.loaded if p.store else 0) - before[3])

@@ -1,18 +1,24 @@
 """The engine's compiled programs: one per (step function, static shape bucket), compiled ahead of their use.
 
-Warm-up hands every bucket to ``compile_all``, which lowers them one by one (tracing holds the GIL) and
-compiles them on a thread pool (XLA releases the GIL while it compiles), reporting progress as each finishes.
-A bucket met later compiles on first use. Calling a ``jax.stages.Compiled`` costs the same as a jitted call.
+Warm-up hands every bucket to ``compile_all``, which first loads what the executable store keeps (no tracing),
+then lowers the rest one by one (tracing holds the GIL), each compile starting on a thread pool as soon as its
+program is lowered (XLA releases the GIL while it compiles), reporting progress as each finishes, and keeps them
+in the store. A bucket met later compiles on first use. Calling a ``jax.stages.Compiled`` costs the same as a
+jitted call.
 """
 
+import atexit
 import concurrent.futures
 import dataclasses
 import os
+import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 
 import jax
+from jax import monitoring
 
 
 @dataclasses.dataclass
@@ -29,11 +35,19 @@ class Program:
 
 
 class Programs:
-    def __init__(self, progress: Callable[[int, int, str, float], None] | None = None):
+    def __init__(self, progress: Callable[[int, int, str, float], None] | None = None, store=None):
         self.progress = progress or (lambda done, total, name, seconds: None)  # after each compile
+        self.store = store  # an ExecutableStore, or None
         self._compiled: dict = {}
         self._left_running: set[concurrent.futures.Future] = set()  # compiles a stopped compile_all left behind
+        # Executables loaded from the store must be released before the runtime shuts down: freed during
+        # interpreter teardown, jaxlib's CPU client sometimes aborts the process ("terminate called without an
+        # active exception") after a run that succeeded.
+        atexit.register(_release, weakref.ref(self))
         self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
+        # where that time went: loading stored executables, tracing and lowering (serial, holds the GIL), and
+        # compiling (summed over the parallel compiles, so it may exceed the wall time)
+        self.load_s = self.lower_s = self.compile_s = 0.0
 
     @property
     def compiling_unused(self) -> bool:
@@ -55,8 +69,8 @@ class Programs:
         return compiled(*args)
 
     def compile_all(self, programs: list[Program], progress=None, stop: concurrent.futures.Future | None = None):
-        """Compile the programs not compiled yet, in parallel, calling ``progress`` (default: the one given at
-        construction) after each; returns the wall seconds it took.
+        """Compile the programs not compiled yet (those the store keeps are loaded instead), in parallel, calling
+        ``progress`` (default: the one given at construction) after each compile; returns the wall seconds it took.
 
         ``stop``, once done, ends the compiling at once (``CompileStopped``): the programs not started are dropped
         and those compiling finish in the background, unused (XLA cannot be interrupted); all compile on first
@@ -66,32 +80,50 @@ class Programs:
         if not todo:
             return 0.0
         start = time.perf_counter()
+        if self.store is not None:
+            for program in todo:
+                compiled = self.store.load(program)
+                if compiled is not None:
+                    self._compiled[program.key] = compiled
+            todo = [p for p in todo if p.key not in self._compiled]
+            self.load_s += time.perf_counter() - start
         stopping = {stop} if stop is not None else set()
-        lowered = []
-        for program in todo:  # tracing holds the GIL: one at a time
-            if stop is not None and stop.done():
-                raise CompileStopped(f"stopped before compiling {len(todo)} programs")
-            lowered.append((program, program.jitted.lower(*jax.tree.map(_abstract, program.args), **program.static)))
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1)))
+        waiting, stopped, finished = set(), False, 0
 
-        def compile_one(item):
-            program, low = item
-            t = time.perf_counter()
-            return program, low.compile(compiler_options=program.options), time.perf_counter() - t
+        def collect(done):
+            nonlocal finished
+            for future in done & waiting:
+                waiting.discard(future)
+                program, compiled, seconds, from_jax_cache = future.result()
+                self._compiled[program.key] = compiled
+                self.compile_s += seconds
+                if self.store is not None and not from_jax_cache:
+                    self.store.save(program, compiled)
+                finished += 1
+                progress(finished, len(todo), program.name, seconds)
 
-        pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1))
-        waiting, stopped = {pool.submit(compile_one, item) for item in lowered}, False
+        def check_stop():
+            nonlocal stopped
+            if stop is not None and stop.done() and (waiting or len(submitted) < len(todo)):
+                stopped = True
+                self._left_running.update(waiting)
+                raise CompileStopped(f"stopped with {len(todo) - finished} of {len(todo)} programs not compiled")
+
+        submitted = []
         try:
+            for program in todo:  # each compile starts as soon as its program is lowered
+                check_stop()
+                t = time.perf_counter()
+                low = program.jitted.lower(*jax.tree.map(_abstract, program.args), **program.static)
+                self.lower_s += time.perf_counter() - t
+                waiting.add(pool.submit(_compile, program, low))
+                submitted.append(program)
+                collect({f for f in waiting if f.done()})
             while waiting:
                 done, _ = concurrent.futures.wait(waiting | stopping, return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done & waiting:
-                    waiting.discard(future)
-                    program, compiled, seconds = future.result()
-                    self._compiled[program.key] = compiled
-                    progress(len(todo) - len(waiting), len(todo), program.name, seconds)
-                if waiting and stop is not None and stop.done():
-                    stopped = True
-                    self._left_running.update(waiting)
-                    raise CompileStopped(f"stopped with {len(waiting)} of {len(todo)} programs not compiled")
+                collect(done)
+                check_stop()
         finally:
             pool.shutdown(wait=not stopped, cancel_futures=stopped)
             self.compile_wall_s += time.perf_counter() - start
@@ -100,6 +132,34 @@ class Programs:
 
 class CompileStopped(Exception):
     """``compile_all`` was asked to stop; what it did not compile compiles on first use."""
+
+
+def _compile(program: Program, lowered):
+    """Compile on a pool thread: (program, executable, seconds, whether jax's persistent cache supplied it)."""
+    t = time.perf_counter()
+    _JAX_CACHE_HIT.value = False
+    compiled = lowered.compile(compiler_options=program.options)
+    return program, compiled, time.perf_counter() - t, _JAX_CACHE_HIT.value
+
+
+# An executable that jax's own persistent cache handed back does not survive a second serialization (on the CPU
+# its kernels are missing in the next process), so the store keeps only real compiles; the engine leaves jax's
+# cache off while the store is on, and this catches a cache a user turned on.
+_JAX_CACHE_HIT = threading.local()
+
+
+def _note_cache_hit(event: str, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _JAX_CACHE_HIT.value = True
+
+
+monitoring.register_event_listener(_note_cache_hit)
+
+
+def _release(programs_ref):
+    programs = programs_ref()
+    if programs is not None:
+        programs._compiled.clear()
 
 
 def _abstract(x):
