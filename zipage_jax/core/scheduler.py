@@ -302,8 +302,12 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token still in flight; it is known by the next step
-            if not request.page_ids:  # the window of the first compression is always computed
+            # The window of the first compression is always computed, and so is a prompt whose logprobs are asked
+            # for (a cached page has no logits), as in vLLM.
+            if not request.page_ids:
                 limit = self.first_due(request) - self.window if self.compression else None
+                if request.sampling_params.prompt_logprobs is not None:
+                    limit = 0
                 self.page_manager.match_prefix(request, limit)
             todo = request.num_tokens - request.num_computed_tokens
             num_new = self._prefill_size(request, todo, token_budget)
