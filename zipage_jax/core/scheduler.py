@@ -17,7 +17,8 @@ admission (the default) a request is admitted only while the pages it can hold b
 beside the ``M+1`` of every holder and those of the requests without a query row, so requests running into their
 windows do not thrash the pool by recompute preemption. With constrained admission a request gets its query row on
 admission or waits. A query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool
-(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed).
+(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed),
+nor any page of a request that asks for prompt logprobs (a cached page has no logits).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
 rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or

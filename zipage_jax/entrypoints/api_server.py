@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP server over one `LLMEngine`: `python -m zipage_jax.serve --help`.
 
 Completions and chat completions (streamed as server-sent events or not), models, health, Prometheus metrics.
-Every error, including validation, is a 4xx in OpenAI's `{"error": {...}}` shape; the engine runs on one
-background thread (see `async_engine`), so requests from all clients are batched together.
+The request surface is vLLM's (`protocol`): logprobs in OpenAI's formats (`logprob_formats`), echo, prompt
+logprobs, continuous usage in streams, reasoning parsers (`reasoning`). Every error, including validation, is a
+4xx in OpenAI's `{"error": {...}}` shape; the engine runs on one background thread (see `async_engine`), so
+requests from all clients are batched together.
 """
 
 import argparse
