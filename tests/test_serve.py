@@ -478,6 +478,9 @@ def test_stop_special_token_truncation_and_chat_template_fields(live, model, eng
     line = client.completions.create(stop=["\n"], **kw).choices[0]
     kept = client.completions.create(stop=["\n"], extra_body={"include_stop_str_in_output": True}, **kw).choices[0]
     assert kept.text == line.text + "\n" and line.finish_reason == "stop"
+    first_line = len(engine.tokenizer.encode(kept.text, add_special_tokens=False))
+    late = client.completions.create(stop=["\n"], extra_body={"min_tokens": first_line}, **kw).choices[0]
+    assert late.text.startswith(kept.text) and late.text.count("\n") == 1  # no stop within min_tokens
     # the end-of-sequence token's text appears only when special tokens are kept and the stop token is included
     answer = dict(kw, prompt=QUESTION.replace("*55", "*40"), max_tokens=470)  # 40 lines of reasoning fit
     eos = {"skip_special_tokens": False, "include_stop_str_in_output": True, "spaces_between_special_tokens": False}
