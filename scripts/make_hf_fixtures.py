@@ -1,11 +1,17 @@
-"""Build the tiny random HF checkpoints and reference outputs under tests/fixtures/hf/.
+"""Build the tiny random HF checkpoints and reference outputs under tests/fixtures/hf/, and HF's prompt logprobs
+of the shipped model (tests/fixtures/tiny_reasoner_prompt_logprobs.npz).
 
-Run with the torch environment (the test suite itself never needs torch):
-    /work/torchvenv/bin/python scripts/make_hf_fixtures.py
+Run with a torch environment (the test suite itself never needs torch), e.g. Python 3.11 with
+torch==2.13.0 (CPU) and transformers==5.17.0:
+    python scripts/make_hf_fixtures.py [--only checkpoints|prompt-logprobs]
 Each checkpoint directory gets config.json, model.safetensors, a char-level tokenizer and expected.npz with
   input_ids [B,T], logits [B,T,V] (HF float32, eager attention),
   prompt_ids [P,Lmax] / prompt_lens [P], greedy_ids [P,N] (generate, do_sample=False) and
   greedy_margins [P,N] (top-1 minus top-2 logit at each step, to recognise genuine near-ties).
+The prompt-logprobs file holds, for prompts of the shipped model (float32, eager attention):
+  prompt_ids [P,Lmax] / prompt_lens [P]; at each position t >= 1 of each prompt, the log-softmax of the logits
+  at t-1: logprobs [P,Lmax] of token t (NaN at t = 0 and past the prompt), ranks [P,Lmax] (1 + tokens strictly
+  more likely), top_ids / top_logprobs [P,Lmax,TOP_LOGPROBS] (descending).
 Seeded: rerunning reproduces the same files.
 """
 
@@ -25,6 +31,18 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PROMPTS = ["hello world", "The quick brown fox", "1+2=3, 4+5="]
 NEW_TOKENS = 24
 SEQ_LEN, NUM_SEQS = 16, 3
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "zipage_jax/assets/tiny-reasoner"
+TOP_LOGPROBS = 5
+
+
+def shipped_model_prompts() -> list[str]:
+    """A question of the shipped model's task with the start of its reference reasoning (the format of
+    zipage_jax/tasks/repeated_addition.py: line k holds k*A as 7 digits, least significant first), and plain
+    text outside its domain."""
+    a, lines = 67815, 14
+    reasoning = "".join(f"{k:02d}:{str(k * a).zfill(7)[::-1]}\n" for k in range(1, lines + 1))
+    chat = f"<|im_start|>user\nWhat is {a}*55?<|im_end|>\n<|im_start|>assistant\n"
+    return [chat + reasoning, "The quick brown fox jumps over the lazy dog. 0123456789"]
 
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -140,14 +158,47 @@ def make_checkpoint(out: Path, model_type: str, overrides: dict, seed: int, toke
     )
 
 
+def make_prompt_logprobs(out: Path) -> None:
+    """HF's log-softmax over the shipped model's prompts: the oracle of the engine's prompt logprobs."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in shipped_model_prompts()]
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    logprobs = np.full((len(prompts), width), np.nan, np.float32)
+    ranks = np.zeros((len(prompts), width), np.int32)
+    top_ids = np.zeros((len(prompts), width, TOP_LOGPROBS), np.int32)
+    top_logprobs = np.full((len(prompts), width, TOP_LOGPROBS), np.nan, np.float32)
+    for i, prompt in enumerate(prompts):
+        ids[i, :len(prompt)] = prompt
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+        target = torch.tensor(prompt[1:])
+        chosen = lp.gather(1, target[:, None])[:, 0]
+        logprobs[i, 1:len(prompt)] = chosen.numpy()
+        ranks[i, 1:len(prompt)] = (1 + (lp > chosen[:, None]).sum(-1)).numpy()
+        values, top = torch.topk(lp, TOP_LOGPROBS, dim=-1)
+        top_ids[i, 1:len(prompt)] = top.numpy()
+        top_logprobs[i, 1:len(prompt)] = values.numpy()
+    np.savez_compressed(out, prompt_ids=ids, prompt_lens=np.array([len(p) for p in prompts], np.int32),
+                        logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+    print(f"{out.name}: {out.stat().st_size / 1024:.0f} KiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures/hf")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures")
+    parser.add_argument("--only", choices=["checkpoints", "prompt-logprobs"], default=None)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
+    if args.only != "checkpoints":
+        make_prompt_logprobs(args.out / "tiny_reasoner_prompt_logprobs.npz")
+    if args.only == "prompt-logprobs":
+        return
     tokenizer = build_tokenizer()
     for seed, (name, (model_type, overrides)) in enumerate(CHECKPOINTS.items()):
-        out = args.out / name
+        out = args.out / "hf" / name
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)

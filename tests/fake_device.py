@@ -78,8 +78,9 @@ class FakeDevice:
 
     @staticmethod
     def _handle(requests, tokens, kind) -> StepHandle:
-        tokens = np.array([0 if t is None else t for t in tokens], np.int32)
-        return StepHandle(list(requests), tokens, np.zeros(len(tokens), np.float32), kind, len(tokens))
+        ids = np.zeros((len(tokens), 3), np.int32)  # the device layout: token, rank, top-1 id (unused here)
+        ids[:, 0] = [0 if t is None else t for t in tokens]
+        return StepHandle(list(requests), ids, np.zeros((len(tokens), 2), np.float32), kind, len(tokens))
 
     # -- the device math, on tokens ------------------------------------------------------------------------
     def _write(self, request, physical, position, token):

@@ -21,16 +21,18 @@ def checkpoint_params(engine):
 
 
 def mixed_workload(rng, vocab, count, max_len):
-    """Prompts of many lengths (two sharing a prefix) and every sampling feature but the penalties."""
+    """Prompts of many lengths (two sharing a prefix) and every sampling feature but the penalties, top-N and
+    prompt logprobs included."""
     prompts = [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(1, max_len, size=count)]
     prompts[1] = prompts[0] + prompts[1]
     params = []
     for i, max_tokens in enumerate(rng.integers(2, 24, size=count)):
         if i % 3 == 0:
-            params.append(SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True))
+            params.append(SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True,
+                                         prompt_logprobs=[None, 3][i % 2], logprobs=[None, 20][i % 2]))
         else:
             params.append(SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 5][i % 2], min_p=[0.0, 0.05][i % 4 == 1],
-                                         seed=i, n=1 + i % 2, min_tokens=2, stop_token_ids=[7], logprobs=True,
+                                         seed=i, n=1 + i % 2, min_tokens=2, stop_token_ids=[7], logprobs=i % 4,
                                          max_tokens=int(max_tokens)))
     return prompts, params
 

@@ -90,7 +90,8 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)])
     assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                             max_model_len=512, compilation_cache_dir=None)
-    assert report["programs"] == 2 * 1 + 3  # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens
+    # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program
+    assert report["programs"] == 2 * 1 + 3 + 1
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
     assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]

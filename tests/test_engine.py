@@ -117,7 +117,8 @@ def test_stops_max_tokens_and_logprobs(llm):
     prompt = random_prompts(rng, 1)[0]
     free = llm.generate([prompt], dataclasses.replace(GREEDY, logprobs=True), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == GREEDY.max_tokens
-    assert len(free.logprobs) == len(free.token_ids) and all(lp <= 0 for lp in free.logprobs)
+    assert len(free.logprobs) == len(free.token_ids)
+    assert all(list(e) == [t] and e[t].logprob <= 0 and e[t].rank == 1 for t, e in zip(free.token_ids, free.logprobs))
     stop_id = free.token_ids[4]
     first = free.token_ids.index(stop_id)
     by_id = llm.generate([prompt], dataclasses.replace(GREEDY, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
@@ -215,8 +216,9 @@ def test_abort_frees_pages(llm):
     assert engine.metrics()["kv_pages_used"] == 0
 
 
-# docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, and 5 prefill token counts (128 ... 2048)
-DEFAULT_CONFIG_PROGRAMS = 17
+# docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, 5 prefill token counts (128 ... 2048)
+# and the prompt-logprobs program
+DEFAULT_CONFIG_PROGRAMS = 18
 
 
 def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_nothing():

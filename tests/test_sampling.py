@@ -79,7 +79,7 @@ def rows_for(params_list, rng, vocab, prompt_len=5, out_len=4):
     ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("repetition_penalty", 0.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("max_tokens", 0), ("n", 0),
     ("seed", 1.5), ("seed", "1"), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("min_tokens", -1), ("logprobs", 5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("min_tokens", -1), ("logprobs", 21),
     ("ignore_eos", "yes"), ("kv_budget_pages", 0), ("skip_special_tokens", 1),
 ])
 def test_invalid_params_name_the_field(field, value):

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -83,8 +84,8 @@ def live_server(engine, *, grace_s: float = 1.0, **app_kwargs):
         sock.close()
 
 
-def wait_until(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
+def wait_until(predicate, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
@@ -95,6 +96,12 @@ _ref_ids = itertools.count()
 
 def offline(engine, prompt, **params):
     """Oracle: the final CompletionOutput of one request driven straight through the engine contract."""
+    final = offline_request(engine, prompt, **params)
+    return final.outputs[0], len(final.prompt_token_ids)
+
+
+def offline_request(engine, prompt, **params):
+    """The final RequestOutput of one request driven straight through the engine contract."""
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
     request_id = f"ref-{next(_ref_ids)}"
     engine.add_request(request_id, ids, SamplingParams(**params))
@@ -106,7 +113,7 @@ def offline(engine, prompt, **params):
             if out.request_id == request_id and out.finished:
                 final = out
     assert final is not None
-    return final.outputs[0], len(final.prompt_token_ids)
+    return final
 
 
 def chat_ids(engine, messages) -> list[int]:
@@ -283,7 +290,8 @@ def test_stop_string_ends_the_choice_and_is_never_streamed(live, model, referenc
 def test_logprobs_are_returned_per_token(live, model, reference):
     want, _ = offline(reference, "log me", temperature=0.0, max_tokens=8, logprobs=True)
     got = live.client().completions.create(model=model, prompt="log me", temperature=0, max_tokens=8, logprobs=0)
-    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs)
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+        [entry[token].logprob for token, entry in zip(want.token_ids, want.logprobs)])
     assert len(got.choices[0].logprobs.tokens) == len(want.token_ids)
     chat = live.client().chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                  temperature=0, max_tokens=8, logprobs=True)
@@ -300,6 +308,244 @@ def test_kv_budget_pages_extension_reaches_the_engine(live, model):
         got = compressed.client().completions.create(model=model, prompt="budget", max_tokens=60,
                                                      extra_body={"kv_budget_pages": 2, "ignore_eos": True})
         assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 60
+
+
+# -- vLLM's request surface -------------------------------------------------------------------------------------
+QUESTION = "<|im_start|>user\nWhat is 67815*55?<|im_end|>\n<|im_start|>assistant\n"  # the shipped model's task
+
+
+def sse_events(url, body) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=WAIT_S) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(live, model, engine, path):
+    chat = path.endswith("chat/completions")
+    body = {"model": model, "max_tokens": 30, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"messages": [{"role": "user", "content": "What is 67815*55?"}]} if chat else {"prompt": QUESTION})
+    events = sse_events(f"{live.url}{path}", body)
+    prompt_tokens = len(chat_ids(engine, body["messages"]) if chat else engine.tokenizer.encode(QUESTION))
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 30
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in events)
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"] for c in events)
+    assert counts == sorted(counts) and counts[-1] == 30 and len(set(counts)) > 1
+    client = live.client()
+    if chat:
+        stream = client.chat.completions.create(model=model, messages=body["messages"], max_tokens=5, stream=True,
+                                                stream_options={"include_usage": True,
+                                                                "continuous_usage_stats": True})
+    else:
+        stream = client.completions.create(model=model, prompt=QUESTION, max_tokens=5, stream=True,
+                                           stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert all(chunk.usage is not None for chunk in stream)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_n_most_likely_and_the_token(live, model, reference, stream):
+    want, _ = offline(reference, QUESTION, temperature=0.0, max_tokens=12, logprobs=3)
+    kw = dict(model=model, prompt=QUESTION, temperature=0, max_tokens=12, logprobs=3)
+    if stream:
+        tokens, values, tops, offsets = [], [], [], []
+        for chunk in live.client().completions.create(stream=True, **kw):
+            lp = chunk.choices[0].logprobs
+            if lp is not None:
+                tokens += lp.tokens
+                values += lp.token_logprobs
+                tops += lp.top_logprobs
+                offsets += lp.text_offset
+    else:
+        lp = live.client().completions.create(**kw).choices[0].logprobs
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    assert tokens == [reference.tokenizer.decode([t]) for t in want.token_ids]
+    assert values == pytest.approx([e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-5)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for token, value, top, entry in zip(tokens, values, tops, want.logprobs):
+        assert len(top) <= 4 and top[token] == value  # the 3 most likely and the sampled token
+        assert max(top.values()) == value  # greedy: the sampled token is the most likely
+        ranked = sorted((lp for lp in entry.values() if lp.rank <= 3), key=lambda lp: lp.rank)
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx([lp.logprob for lp in ranked], abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_sorted_and_contain_the_sampled_token(live, model, stream):
+    kw = dict(model=model, messages=[{"role": "user", "content": "What is 67815*55?"}], temperature=0,
+              max_tokens=10, logprobs=True, top_logprobs=4)
+    if stream:
+        content = [item for chunk in live.client().chat.completions.create(stream=True, **kw)
+                   if chunk.choices and chunk.choices[0].logprobs for item in chunk.choices[0].logprobs.content]
+    else:
+        content = live.client().chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(content) == 10
+    for item in content:
+        assert len(item.top_logprobs) == 4
+        values = [t.logprob for t in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert item.top_logprobs[0].token == item.token and values[0] == item.logprob  # greedy
+        assert item.bytes == list(item.token.encode())
+
+
+def test_lm_eval_loglikelihood_payload_scores_the_prompt(live, model, reference):
+    """lm-eval's `local-completions` scores a context + continuation with echo, logprobs 1 and max_tokens 0 (vLLM)
+    or 1, token-id prompts; the first prompt token's logprob is null, the others are the engine's."""
+    ids = reference.tokenizer.encode(QUESTION + "01:5187600\n02:", add_special_tokens=False)
+    want = offline_request(reference, ids, temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    for max_tokens in (0, 1):
+        body = {"model": model, "prompt": [ids], "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+                "seed": 1234, "echo": True}
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens and choice["text"].startswith(reference.tokenizer.decode(ids))
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(
+            [want.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))], abs=1e-5)
+        for t in range(1, len(ids)):  # what lm-eval's is_greedy reads: the token against the best alternative
+            top = lp["top_logprobs"][t]
+            assert lp["tokens"][t] in top and len(top) <= 2
+            assert (max(top.values()) == lp["token_logprobs"][t]) == (want.prompt_logprobs[t][ids[t]].rank == 1)
+        if max_tokens == 0:
+            assert choice["text"] == reference.tokenizer.decode(ids) and r.json()["usage"]["completion_tokens"] == 0
+    got = live.client().completions.create(model=model, prompt=QUESTION, echo=True, logprobs=1, max_tokens=0)
+    assert got.choices[0].text == QUESTION and got.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_prompt_logprobs_field_in_vllm_shape(live, model, reference):
+    ids = reference.tokenizer.encode(QUESTION, add_special_tokens=False)
+    want = offline_request(reference, ids, temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 2,
+                                                       "temperature": 0, "prompt_logprobs": 2}, timeout=WAIT_S)
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for t in range(1, len(ids)):
+        assert list(entries[t]) == [str(k) for k in want.prompt_logprobs[t]]
+        own = entries[t][str(ids[t])]
+        assert own["logprob"] == pytest.approx(want.prompt_logprobs[t][ids[t]].logprob, abs=1e-5)
+        assert own["rank"] == want.prompt_logprobs[t][ids[t]].rank and own["decoded_token"]
+    chat = httpx.post(f"{live.url}/v1/chat/completions", timeout=WAIT_S,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_vllm_benchmark_client_payloads_get_200(live, model):
+    """The payloads of vLLM's serving benchmark (completions and chat), and one with continuous usage."""
+    completion = {"model": model, "prompt": QUESTION, "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+                  "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    events = sse_events(f"{live.url}/v1/completions", completion)
+    assert events[-1]["usage"]["completion_tokens"] == 8 and all(e["usage"] is None for e in events[:-1])
+    chat = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 1*2?"}]}],
+            "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert sse_events(f"{live.url}/v1/chat/completions", chat)[-1]["usage"]["completion_tokens"] == 8
+    continuous = {"model": model, "prompt": QUESTION, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                  "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                  "request_id": "bench-0"}
+    assert sse_events(f"{live.url}/v1/completions", continuous)[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog):
+    def warnings():
+        return [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.api_server"):
+        body = _completion(model=model, request_id="r1", cache_salt="salt", vllm_xargs={"a": 1}, length_penalty=2.0,
+                           best_of=1, logit_bias={}, user="someone", add_special_tokens=True)
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+        assert len(warnings()) == 1
+        assert all(name in warnings()[0] for name in ("request_id", "cache_salt", "vllm_xargs", "length_penalty"))
+        assert not any(name in warnings()[0] for name in ("best_of", "logit_bias", "user", "add_special"))
+        chat = _chat(model=model, max_tokens=2, parallel_tool_calls=False, tool_choice="none",
+                     stream_options={"include_usage": True, "extra": 1}, stream=True,
+                     messages=[{"role": "user", "content": "hi", "reasoning_content": None}])
+        sse_events(f"{live.url}/v1/chat/completions", chat)
+        assert len(warnings()) == 2
+        assert all(name in warnings()[1] for name in ("parallel_tool_calls", "stream_options.extra",
+                                                      "messages[].reasoning_content"))
+        assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=WAIT_S).status_code == 200
+        assert len(warnings()) == 2  # nothing ignored: no warning
+
+
+def test_stop_special_token_truncation_and_chat_template_fields(live, model, engine, reference):
+    client = live.client()
+    kw = dict(model=model, prompt=QUESTION, temperature=0, max_tokens=60)
+    line = client.completions.create(stop=["\n"], **kw).choices[0]
+    kept = client.completions.create(stop=["\n"], extra_body={"include_stop_str_in_output": True}, **kw).choices[0]
+    assert kept.text == line.text + "\n" and line.finish_reason == "stop"
+    first_line = len(engine.tokenizer.encode(kept.text, add_special_tokens=False))
+    late = client.completions.create(stop=["\n"], extra_body={"min_tokens": first_line}, **kw).choices[0]
+    assert late.text.startswith(kept.text) and late.text.count("\n") == 1  # no stop within min_tokens
+    # the end-of-sequence token's text appears only when special tokens are kept and the stop token is included
+    answer = dict(kw, prompt=QUESTION.replace("*55", "*40"), max_tokens=470)  # 40 lines of reasoning fit
+    eos = {"skip_special_tokens": False, "include_stop_str_in_output": True, "spaces_between_special_tokens": False}
+    full = client.completions.create(extra_body=eos, **answer).choices[0]
+    assert full.finish_reason == "stop" and full.text.endswith("}<|im_end|>")
+    assert client.completions.create(**answer).choices[0].text == full.text[:-len("<|im_end|>")]
+    ids = engine.tokenizer.encode(QUESTION, add_special_tokens=False)
+    short = client.completions.create(extra_body={"truncate_prompt_tokens": 12}, **kw)
+    want, _ = offline(reference, ids[-12:], temperature=0.0, max_tokens=60)
+    assert short.usage.prompt_tokens == 12 and short.choices[0].text == want.text
+    # chat: continue the assistant's own message and echo it; template variables pass through
+    messages = [{"role": "user", "content": "What is 67815*55?"}, {"role": "assistant", "content": "01:5187"}]
+    got = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=20,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                     "echo": True, "chat_template_kwargs": {"enable_thinking": False}})
+    prompt = engine.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    want, _ = offline(reference, prompt, temperature=0.0, max_tokens=20)
+    assert got.choices[0].message.content == "01:5187" + want.text and want.text.startswith("600\n")
+    tokens = client.completions.create(logprobs=0, extra_body={"return_tokens_as_token_ids": True},
+                                       **{**kw, "max_tokens": 3}).choices[0].logprobs.tokens
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+
+
+def think_tags(parser: str, split: int):
+    """Rewrite a reply's cumulative text as a reasoning model would write it: the first ``split`` characters
+    thought inside <think>...</think> (qwen3 opens the tag itself; a deepseek_r1 template opens it in the prompt)."""
+    def rewrite(text):
+        head = "<think>" if parser == "qwen3" else ""
+        return head + text[:split] + ("</think>" + text[split:] if len(text) > split else "")
+    return rewrite
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_reasoning_parser_returns_the_think_block_as_reasoning_content(reference, model, parser):
+    messages = [{"role": "user", "content": "What is 67815*55?"}]
+    want, _ = offline(reference, chat_ids(reference, messages), temperature=0.0, max_tokens=40)
+    split, rewrite = 25, think_tags(parser, 25)
+    real_step = reference.step
+
+    def thinking_step(*args, **kwargs):  # the loop thread's engine writes its replies with think tags
+        outputs = real_step(*args, **kwargs)
+        for out in outputs:
+            out.outputs[0].text = rewrite(out.outputs[0].text)
+        return outputs
+
+    reference.step = thinking_step
+    try:
+        with live_server(reference, reasoning_parser=parser) as server:
+            client = server.client()
+            kw = dict(model=model, messages=messages, temperature=0, max_tokens=40)
+            message = client.chat.completions.create(**kw).choices[0].message
+            assert message.reasoning_content == want.text[:split] and message.content == want.text[split:]
+            reasoning, content = "", ""
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                delta = chunk.choices[0].delta if chunk.choices else None
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                content += (delta.content or "") if delta else ""
+            assert (reasoning, content) == (want.text[:split], want.text[split:])
+            hidden = client.chat.completions.create(extra_body={"include_reasoning": False}, **kw).choices[0].message
+            assert hidden.reasoning_content is None and hidden.content == want.text[split:]
+    finally:
+        del reference.step
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        create_app(reference, reasoning_parser="other")
+    assert build_parser().parse_args(["--reasoning-parser", parser]).reasoning_parser == parser
 
 
 # -- concurrency, cancellation, back-pressure -------------------------------------------------------------------
@@ -455,8 +701,15 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", _completion(min_tokens=9), 400, "min_tokens", "min_tokens"),
     ("/v1/completions", _completion(stop=[""]), 400, "stop", "stop"),
     ("/v1/completions", _completion(seed=2**70), 400, "seed", "seed"),
-    ("/v1/completions", _completion(logprobs=5), 400, "logprobs", "logprobs"),
-    ("/v1/completions", _completion(tools=[]), 400, "tools", "unsupported parameter"),
+    ("/v1/completions", _completion(logprobs=21), 400, "logprobs", "logprobs"),
+    ("/v1/completions", _completion(prompt_logprobs=-1), 400, "prompt_logprobs", "prompt_logprobs"),
+    ("/v1/completions", _completion(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens", "truncate_prompt"),
+    ("/v1/completions", _completion(stream_options={"include_usage": True}), 400, "stream_options", "stream"),
+    ("/v1/completions", _completion(stream=True, prompt_logprobs=1), 400, "prompt_logprobs", "stream"),
+    ("/v1/completions", _completion(logit_bias={"5": 10}), 400, "logit_bias", "not supported"),
+    ("/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search", "not supported"),
+    ("/v1/completions", _completion(best_of=3), 400, "best_of", "not supported"),
+    ("/v1/completions", _completion(guided_json={"type": "object"}), 400, "guided_json", "not supported"),
     ("/v1/completions", _completion(prompt=""), 400, "prompt", "empty"),
     ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
     ("/v1/completions", _completion(prompt=[10**6]), 400, "prompt", "token ids"),
@@ -469,7 +722,15 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "messages"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages", "messages"),
-    ("/v1/chat/completions", _chat(top_logprobs=3, logprobs=True), 400, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", _chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", _chat(top_logprobs=3), 400, "top_logprobs", "logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=1), 400, "logprobs", "logprobs"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "not supported"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400, "response_format",
+     "not supported"),
+    ("/v1/chat/completions", _chat(continue_final_message=True), 400, "continue_final_message",
+     "add_generation_prompt"),
     ("/v1/chat/completions", _chat(model="other"), 404, "model", "does not exist"),
 ]
 
@@ -560,7 +821,7 @@ def test_schemathesis_finds_no_server_error(live, model):
 
 def test_health_says_starting_during_warmup_and_ok_once_ready():
     """/health answers 503 "starting" while the loop thread compiles, requests get a 503, then both work."""
-    engine = make_engine(max_num_seqs=8)
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64)  # 6 programs: a quick warm-up
     release, compiling = threading.Event(), threading.Event()
     real_warmup = engine.warmup
 
@@ -577,7 +838,8 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
         refused = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny-reasoner", "prompt": "1+1"})
         assert refused.status_code == 503 and "starting" in refused.json()["error"]["message"]
         release.set()
-        wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200, "the server to be ready")
+        # compiling on a loaded 2-core machine takes long: the bound only ends a hang
+        wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200, "the server to be ready", 10 * WAIT_S)
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
         done = live.client().completions.create(model="tiny-reasoner", prompt="1+1", max_tokens=3, temperature=0)
         assert done.choices[0].finish_reason in ("length", "stop")

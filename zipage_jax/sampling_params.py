@@ -14,6 +14,9 @@ import numpy as np
 
 # Below this a temperature is indistinguishable from argmax and only risks overflow (vLLM uses the same).
 GREEDY_TEMPERATURE = 1e-5
+# Most alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`): vLLM's default
+# `max_logprobs` and OpenAI's limit; the device computes this many for every sampled token.
+MAX_LOGPROBS = 20
 _PENALTY_RANGE = (-2.0, 2.0)
 
 
@@ -48,9 +51,12 @@ def _bool(name: str, value) -> bool:
 class SamplingParams:
     """Per-request sampling settings with vLLM's names and defaults; validated on construction.
 
-    `stop` is normalized to a tuple of strings, `stop_token_ids` to a tuple of ints, `top_k=-1` to 0
-    (disabled) and `logprobs` to None (off) or 0 (return the sampled token's logprob).
-    Use `dataclasses.replace(params, ...)` to derive a modified copy (it is validated again).
+    `stop` is normalized to a tuple of strings, `stop_token_ids` to a tuple of ints and `top_k=-1` to 0
+    (disabled). `logprobs=N` returns, for each output token, its logprob and rank and the N most likely
+    alternatives (0: the token's alone; True means 0); `prompt_logprobs=N` the same for every prompt token after
+    the first (a request asking for them computes its whole prompt: it does not use the prefix cache).
+    `truncate_prompt_tokens=K` keeps a prompt's last K tokens. Use `dataclasses.replace(params, ...)` to derive
+    a modified copy (it is validated again).
     """
 
     n: int = 1
@@ -67,8 +73,12 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
-    logprobs: bool | int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     kv_budget_pages: int | None = None
 
     def __post_init__(self):
@@ -97,8 +107,14 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
-        put("logprobs", _logprobs(self.logprobs))
+        put("logprobs", _logprobs("logprobs", self.logprobs))
+        put("prompt_logprobs", _logprobs("prompt_logprobs", self.prompt_logprobs))
+        put("include_stop_str_in_output", _bool("include_stop_str_in_output", self.include_stop_str_in_output))
         put("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
+        put("spaces_between_special_tokens",
+            _bool("spaces_between_special_tokens", self.spaces_between_special_tokens))
+        if self.truncate_prompt_tokens is not None:
+            put("truncate_prompt_tokens", check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1))
         if self.kv_budget_pages is not None:
             put("kv_budget_pages", check_int("kv_budget_pages", self.kv_budget_pages, lo=1))
 
@@ -136,13 +152,15 @@ def check_token_ids(name: str, ids) -> tuple[int, ...]:
     return tuple(check_int(name, i, lo=0) for i in ids)
 
 
-def _logprobs(value) -> int | None:
+def _logprobs(name: str, value) -> int | None:
+    """None (off), or how many most likely alternatives to return beside the token's own logprob."""
     if value is None or value is False:
         return None
-    if value is True or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                         and value == 0):
+    if value is True:
         return 0
-    raise ValueError(f"logprobs must be None, True or 0 (the sampled token's logprob), got {value!r}")
+    if isinstance(value, numbers.Integral) and 0 <= value <= MAX_LOGPROBS:
+        return int(value)
+    raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, *, reject: bool) -> int:

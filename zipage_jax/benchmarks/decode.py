@@ -90,7 +90,7 @@ class _Recorder:
         return self.scheduled, time.perf_counter() - start - blocked, blocked
 
     def step(self):
-        return self.dispatch(*self.inputs).tokens
+        return self.dispatch(*self.inputs)[0].ids
 
     def replay(self, n: int) -> float:
         """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""

@@ -17,7 +17,8 @@ admission (the default) a request is admitted only while the pages it can hold b
 beside the ``M+1`` of every holder and those of the requests without a query row, so requests running into their
 windows do not thrash the pool by recompute preemption. With constrained admission a request gets its query row on
 admission or waits. A query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool
-(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed).
+(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed),
+nor any page of a request that asks for prompt logprobs (a cached page has no logits).
 
 The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
 rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
@@ -314,8 +315,12 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token still in flight; it is known by the next step
-            if not request.page_ids:  # the window of the first compression is always computed
+            # The window of the first compression is always computed, and so is a prompt whose logprobs are asked
+            # for (a cached page has no logits), as in vLLM.
+            if not request.page_ids:
                 limit = self.first_due(request) - self.window if self.compression else None
+                if request.sampling_params.prompt_logprobs is not None:
+                    limit = 0
                 self.page_manager.match_prefix(request, limit)
             todo = request.num_tokens - request.num_computed_tokens
             num_new = self._prefill_size(request, todo, token_budget)

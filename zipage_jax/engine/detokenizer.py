@@ -10,9 +10,11 @@ class IncrementalDetokenizer:
 
     CONTEXT = 6  # prompt tokens kept as context, so the first output token renders as it would mid-text
 
-    def __init__(self, tokenizer, prompt_token_ids=(), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids=(), skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens  # honoured by slow tokenizers
         self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT:])
         self.text = ""
         self.prefix_offset = 0
@@ -20,7 +22,8 @@ class IncrementalDetokenizer:
         self.num_added = 0  # output tokens seen so far
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly readable text (may be empty)."""

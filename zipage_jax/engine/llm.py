@@ -73,7 +73,10 @@ class LLM:
                 base = f"gen-{next(self._ids)}"
                 ids = []
                 for j in range(params.n if params else 1):
-                    sub = dataclasses.replace(params, seed=params.seed + j) if params.seed is not None and j else params
+                    sub = params
+                    if j:  # choice j: seed + j, and the prompt's logprobs are choice 0's
+                        seed = params.seed + j if params.seed is not None else None
+                        sub = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
                     self.engine.add_request(f"{base}-{j}", prompt, sub)
                     ids.append(f"{base}-{j}")
                     added.append(f"{base}-{j}")
@@ -109,7 +112,7 @@ class LLM:
                 c.index = j
                 completions.append(c)
             results.append(RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt, first.prompt_token_ids,
-                                         completions, True, first.metrics))
+                                         completions, True, first.metrics, first.prompt_logprobs))
         return results
 
 

@@ -25,7 +25,7 @@ from zipage_jax.core.scheduler import Scheduler
 from zipage_jax.core.stopping import check_stop
 from zipage_jax.engine.detokenizer import IncrementalDetokenizer
 from zipage_jax.engine.metrics import MetricsHistory
-from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
@@ -93,6 +93,7 @@ class LLMEngine:
         self.compile_counter = CompileCounter()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}
         self._in_flight = []
         self._aborted: list[Request] = []
         self._arrivals = itertools.count()
@@ -142,6 +143,10 @@ class LLMEngine:
         if text is not None and self.tokenizer is None:
             raise ValueError("prompt: this engine has no tokenizer; pass token ids")
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if text is not None else list(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:  # vLLM's truncation: the prompt's last tokens
+            ids = ids[-keep:]
+            text = self.tokenizer.decode(ids) if text is not None else None
         if not ids:
             raise ValueError("prompt: empty prompt")
         if not all(isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size for t in ids):
@@ -157,9 +162,15 @@ class LLMEngine:
         """Queue a request built by the caller, unchecked (``add_request`` validates its input first)."""
         request.arrival_time = time.perf_counter()
         self.requests[request.request_id] = request
+        params = request.sampling_params
         if self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                params.spaces_between_special_tokens)
+        if params.logprobs is not None:
+            request.sample_logprobs = []
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.scheduler.add(request)
 
     def _check_budget(self, params: SamplingParams):
@@ -213,14 +224,40 @@ class LLMEngine:
         changed = {}
         now = time.perf_counter()
         for handle in handles:
-            tokens, logprobs = handle.result()
+            for part in handle.prompt_logprobs:
+                ids, values = part.result()
+                for row, (request, position) in enumerate(zip(part.requests, part.positions)):
+                    if not request.status.finished:
+                        request.prompt_logprobs[position] = self._logprob_dict(
+                            ids[row], values[row], request.sampling_params.prompt_logprobs)
+            ids, values = handle.result()
             self._count(now, handle)
             for row, request in enumerate(handle.requests):
                 if request is None or request.status.finished:
                     continue
-                self._accept(request, int(tokens[row]), float(logprobs[row]))
+                self._accept(request, ids[row], values[row])
                 changed[request.request_id] = request
         return changed
+
+    def _logprob_dict(self, ids, values, num_top: int) -> dict:
+        """{token: Logprob} of one row of the device's logprob layout (``layers.logprobs``): the row's token
+        first, then its ``num_top`` most likely tokens in rank order."""
+        token = int(ids[0])
+        out = {token: Logprob(float(values[0]), int(ids[1]), self._token_text(token))}
+        for j in range(num_top):
+            top = int(ids[2 + j])
+            if top not in out:
+                out[top] = Logprob(float(values[1 + j]), j + 1, self._token_text(top))
+        return out
+
+    def _token_text(self, token: int) -> str | None:
+        """One token's own text (special tokens included), as logprobs show it; memoized per engine."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _count(self, now: float, handle):
         key = "prefill_tokens" if handle.kind == "prefill" else "decode_tokens"
@@ -230,53 +267,66 @@ class LLMEngine:
         while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
             self._rates.popleft()
 
-    def _accept(self, request: Request, token: int, logprob: float):
-        """Resolve the oldest pending token with the sampled one, then check every stop condition."""
-        num_out = request.resolve_pending(token, logprob)
+    def _accept(self, request: Request, ids, values):
+        """Resolve the oldest pending token with the sampled one (a row of the device's logprob layout), then check
+        every stop condition."""
+        token = int(ids[0])
+        num_out = request.resolve_pending(token, float(values[0]))
+        params = request.sampling_params
+        if request.sample_logprobs is not None:
+            request.sample_logprobs.append(self._logprob_dict(ids, values, params.logprobs))
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         self.page_manager.register_full_pages(request)
-        params = request.sampling_params
-        searched = len(request.output_text)
+        before = request.output_text
         if params.stop:  # stop strings need the text now; otherwise it is decoded when an output is built
             self._detokenize(request)
-        stop = check_stop(params, self.eos_token_ids, token, num_out, request.output_text, searched)
+        stop = check_stop(params, self.eos_token_ids, token, num_out, request.output_text, len(before))
         if stop is not None:
             request.stop_reason = stop.reason
             if stop.text_end is not None:
                 request.output_text = request.output_text[:stop.text_end]
                 self._detokenizers[request.request_id].text = request.output_text
+                request.text_complete = True
+            elif stop.reason is not None and not params.include_stop_str_in_output:
+                # a stop token's own text is left out (vLLM): the text before it
+                if params.stop:
+                    request.output_text = before
+                else:
+                    self._detokenize(request, num_out - 1)
+                request.text_complete = True
             request.drop_pending()
             self.scheduler.finish(request, stop.status)
             self.totals["finished"] += 1
 
-    def _detokenize(self, request: Request):
-        """Bring the request's text up to its resolved tokens (in one batch when it lags)."""
+    def _detokenize(self, request: Request, resolved: int | None = None):
+        """Bring the request's text up to its first ``resolved`` tokens (default: all resolved ones; in one batch
+        when it lags)."""
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
             return
-        resolved = len(request.output_logprobs)
+        resolved = len(request.output_logprobs) if resolved is None else resolved
         if detok.num_added < resolved:
             detok.extend(request.output_token_ids[detok.num_added:resolved])
         request.output_text = detok.text
 
     def _output(self, request: Request) -> RequestOutput:
-        if not isinstance(request.stop_reason, str):  # a matched stop string already fixed the text
+        if not request.text_complete:  # a stop string or stop token may have fixed the text already
             self._detokenize(request)
         ids = request.output_token_ids[:len(request.output_logprobs)]  # resolved tokens come first
-        logprobs = request.output_logprobs
-        want_logprobs = request.sampling_params.logprobs is not None
+        want_logprobs = request.sample_logprobs is not None
         completion = CompletionOutput(
             index=0, text=request.output_text, token_ids=ids,
-            cumulative_logprob=float(sum(logprobs)) if want_logprobs else None,
-            logprobs=list(logprobs) if want_logprobs else None,
+            cumulative_logprob=float(sum(request.output_logprobs)) if want_logprobs else None,
+            logprobs=list(request.sample_logprobs) if want_logprobs else None,
             finish_reason=request.status.value if request.status.finished else None,
             stop_reason=request.stop_reason)
         if request.status.finished:
             self.requests.pop(request.request_id, None)
             self._detokenizers.pop(request.request_id, None)
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.status.finished, self._request_metrics(request))
+                             request.status.finished, self._request_metrics(request), prompt_logprobs)
 
     @staticmethod
     def _request_metrics(request: Request) -> dict:

@@ -1,14 +1,17 @@
 """OpenAI-compatible HTTP server over one `LLMEngine`: `python -m zipage_jax.serve --help`.
 
 Completions and chat completions (streamed as server-sent events or not), models, health, Prometheus metrics.
-Every error, including validation, is a 4xx in OpenAI's `{"error": {...}}` shape; the engine runs on one
-background thread (see `async_engine`), so requests from all clients are batched together.
+The request surface is vLLM's (`protocol`): logprobs in OpenAI's formats (`logprob_formats`), echo, prompt
+logprobs, continuous usage in streams, reasoning parsers (`reasoning`). Every error, including validation, is a
+4xx in OpenAI's `{"error": {...}}` shape; the engine runs on one background thread (see `async_engine`), so
+requests from all clients are batched together.
 """
 
 import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -18,7 +21,6 @@ import time
 import uuid
 from collections import Counter
 
-import jinja2
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs, option_error
 from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
-from zipage_jax.entrypoints import prometheus
+from zipage_jax.entrypoints import logprob_formats, prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from zipage_jax.entrypoints.reasoning import PARSERS, ReasoningParser
 from zipage_jax.sampling_params import SamplingParams, completion_budget
 
 log = logging.getLogger(__name__)
@@ -96,32 +99,64 @@ class _CountResponses:
 
 
 # -- the service ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Prompt:
+    ids: list[int]
+    # What echo returns: the prompt as sent, a chat prompt's rendered template (reasoning parsers read its end);
+    # None for token ids and truncated prompts, decoded when needed (the engine validates the ids first).
+    text: str | None
+
+
 class _Service:
     """Request handling shared by the routes: tokenize, validate, submit, then stream or collect."""
 
-    def __init__(self, engine, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, engine, async_engine: AsyncEngine, model_name: str, reasoning: ReasoningParser | None):
         self.async_engine = async_engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.reasoning = reasoning
         self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
         self.responses: Counter = Counter()
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
 
     def check_model(self, model: str):
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        # Special tokens are not added: a chat template already places them, and `LLM.generate` does the same.
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+    def start(self, kind: "_Kind", body) -> str:
+        """A new request's id, once its model is known and it asks for nothing this server cannot do; the fields
+        it ignores are named in one warning (vLLM ignores unknown fields too)."""
+        self.check_model(body.model)
+        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        ignored = body.check()
+        if ignored:
+            log.warning("%s: ignored fields this server does not use: %s", request_id, ", ".join(ignored))
+        return request_id
 
-    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = False, keep: int | None = None) -> _Prompt:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids, prompt = list(prompt), None
+        if keep is not None and len(ids) > keep:  # truncate_prompt_tokens: the last tokens stay
+            ids, prompt = ids[-keep:], None
+        return _Prompt(ids, prompt)
+
+    def render_chat(self, body: ChatCompletionRequest) -> _Prompt:
         messages = [m.as_template_message() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {}, add_generation_prompt=body.add_generation_prompt,
+                      continue_final_message=body.continue_final_message, tokenize=False)
+        if body.documents is not None:
+            kwargs["documents"] = body.documents
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+            if not isinstance(text, str):
+                raise TypeError("chat_template_kwargs: the template did not render text")
+        except Exception as exc:  # the template runs on the client's input: whatever it raises is a bad request
             raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from exc
-        return self.encode(text)
+        # Special tokens are not added by default: the chat template places them, as vLLM does.
+        return _Prompt(self.encode(text, body.add_special_tokens, body.truncate_prompt_tokens).ids, text)
 
     def completion_budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         """max_tokens for a prompt (default: the rest of the context); too long a request is a 400 naming the
@@ -135,8 +170,9 @@ class _Service:
             raise APIError(400, message, param=param if field == "prompt" else field,
                            code="context_length_exceeded") from exc
 
-    def sampling_params(self, body, max_tokens: int, logprobs: bool, choice: int) -> SamplingParams:
-        kwargs = dict(body.sampling_kwargs(), max_tokens=max_tokens, logprobs=True if logprobs else None)
+    def sampling_params(self, body, max_tokens: int, choice: int) -> SamplingParams:
+        kwargs = dict(body.sampling_kwargs(), max_tokens=max_tokens, logprobs=body.logprobs_width,
+                      prompt_logprobs=body.prompt_logprobs_width)
         if body.seed is not None:
             kwargs["seed"] = body.seed + choice  # distinct but reproducible choices, like LLM.generate
         try:
@@ -145,14 +181,14 @@ class _Service:
             word = str(exc).split(" ", 1)[0].rstrip(":")
             raise APIError(400, str(exc), param=word if word in kwargs else None) from exc
 
-    async def submit(self, kind: "_Kind", request_id: str, body, prompts: list[list[int]], max_tokens,
-                     logprobs: bool):
+    async def submit(self, kind: "_Kind", request_id: str, body, prompts: list[_Prompt]):
         requests = []
-        for p, ids in enumerate(prompts):
-            budget = self.completion_budget(len(ids), max_tokens, "messages" if kind.chat else "prompt")
+        max_tokens = 1 if body.echo_only else body.max_output_tokens
+        for p, prompt in enumerate(prompts):
+            budget = self.completion_budget(len(prompt.ids), max_tokens, "messages" if kind.chat else "prompt")
             for j in range(body.n):
-                requests.append((f"{request_id}-{p * body.n + j}", ids,
-                                 self.sampling_params(body, budget, logprobs, j)))
+                requests.append((f"{request_id}-{p * body.n + j}", prompt.ids,
+                                 self.sampling_params(body, budget, j)))
         if len(requests) > self.async_engine.capacity:
             raise APIError(400, f"n: {len(requests)} choices exceed this server's capacity of "
                                 f"{self.async_engine.capacity}", param="n")
@@ -190,62 +226,58 @@ class _Service:
         except EngineStepError as exc:
             raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
 
-    def token_logprobs(self, token_ids, logprobs) -> tuple[list[str], list[float]]:
-        return [self.tokenizer.decode([t]) for t in token_ids], list(logprobs)
-
-    def usage(self, prompts, completion_tokens: int) -> dict:
-        prompt_tokens = sum(len(p) for p in prompts)
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    async def respond(self, kind: "_Kind", body, prompts, max_tokens, logprobs: bool, request: Request):
-        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-        group = await self.submit(kind, request_id, body, prompts, max_tokens, logprobs)
+    async def respond(self, kind: "_Kind", request_id: str, body, prompts: list[_Prompt], request: Request):
+        group = await self.submit(kind, request_id, body, prompts)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        view = _View(self, kind, body, prompts)
         if body.stream:
             def on_close():
                 if not group.done and not group.failed:
                     self.async_engine.record_client_abort()
                 group.close()
 
-            return _EventStream(self.stream(kind, head, group, body, prompts, logprobs), on_close)
+            return _EventStream(self.stream(view, head, group), on_close)
         outputs = await self.collect(group, request)
         if outputs is None:
             return JSONResponse(APIError(CLIENT_GONE_STATUS, "client disconnected").body(), CLIENT_GONE_STATUS)
-        choices = [kind.choice(self, i, out.outputs[0], logprobs) for i, out in enumerate(outputs)]
-        usage = self.usage(prompts, sum(len(out.outputs[0].token_ids) for out in outputs))
-        return {**head, "object": kind.object, "choices": choices, "usage": usage}
+        choices = [view.choice(i, out) for i, out in enumerate(outputs)]
+        completion_tokens = sum(view.completion_tokens(out) for out in outputs)
+        response = {**head, "object": kind.object, "choices": choices,
+                    "usage": self.usage(sum(len(p.ids) for p in prompts), completion_tokens)}
+        if kind.chat and body.prompt_logprobs is not None:  # vLLM: chat puts them beside the choices
+            response["prompt_logprobs"] = logprob_formats.prompt_logprobs(outputs[0].prompt_logprobs)
+        return response
 
-    async def stream(self, kind: "_Kind", head: dict, group, body, prompts, logprobs: bool):
-        n = len(group.request_ids)
-        stops = body.stop_strings
-        sent_chars, sent_tokens = [0] * n, [0] * n
+    async def stream(self, view: "_View", head: dict, group):
+        body, kind = view.body, view.kind
         extra = {"usage": None} if body.include_usage else {}
 
-        def chunk(choices: list[dict]) -> str:
-            return _sse({**head, "object": kind.chunk_object, "choices": choices, **extra})
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            payload = {**head, "object": kind.chunk_object, "choices": choices, **extra}
+            if usage is not None:
+                payload["usage"] = usage
+            return _sse(payload)
 
-        for i in range(n):
-            opening = kind.opening(i)
+        streams = [view.choice_stream(i) for i in range(len(group.request_ids))]
+        for s in streams:
+            opening = s.opening()
             if opening is not None:
-                yield chunk([opening])
+                yield chunk([opening], s.usage() if body.continuous_usage else None)
         try:
             async for batch in group.updates():
                 for index, out in sorted(batch.items()):
-                    completion = out.outputs[0]
-                    finish = completion.finish_reason
-                    end = len(completion.text) if finish else stable_text_len(completion.text, stops)
-                    if end <= sent_chars[index] and finish is None:
-                        continue
-                    delta = completion.text[sent_chars[index]:end]
-                    new_ids = completion.token_ids[sent_tokens[index]:]
-                    new_logprobs = (completion.logprobs[sent_tokens[index]:]
-                                    if logprobs and completion.logprobs is not None else None)
-                    sent_chars[index], sent_tokens[index] = max(end, sent_chars[index]), len(completion.token_ids)
-                    yield chunk([kind.delta(self, index, delta, new_ids, new_logprobs, finish)])
+                    s = streams[index]
+                    delta = s.delta(out)
+                    if delta is not None:
+                        yield chunk([delta], s.usage() if body.continuous_usage else None)
             if body.include_usage:
-                yield _sse({**head, "object": kind.chunk_object, "choices": [],
-                            "usage": self.usage(prompts, sum(sent_tokens))})
+                yield chunk([], self.usage(sum(len(p.ids) for p in view.prompts),
+                                           sum(s.sent_tokens for s in streams)))
         except EngineStepError as exc:
             yield _sse(APIError(500, str(exc), type="internal_error", code="engine_error").body())
         yield _sse("[DONE]")
@@ -253,60 +285,168 @@ class _Service:
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
-    """What differs between the completions and chat wire formats."""
+    """What differs between the completions and chat wire formats (names)."""
 
     id_prefix: str
     object: str
     chunk_object: str
     chat: bool
 
-    def choice(self, svc: _Service, index: int, completion, logprobs: bool) -> dict:
-        lp = self._logprobs(svc, completion.token_ids, completion.logprobs) if logprobs else None
-        if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": lp, "finish_reason": completion.finish_reason}
-        return {"index": index, "text": completion.text, "logprobs": lp, "finish_reason": completion.finish_reason}
-
-    def opening(self, index: int) -> dict | None:
-        if not self.chat:
-            return None
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
-
-    def delta(self, svc: _Service, index: int, text: str, token_ids, logprobs, finish) -> dict:
-        lp = self._logprobs(svc, token_ids, logprobs) if logprobs is not None else None
-        if self.chat:
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                    "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-
-    def _logprobs(self, svc: _Service, token_ids, logprobs) -> dict:
-        tokens, values = svc.token_logprobs(token_ids, logprobs or [])
-        if self.chat:
-            # A token that is part of a multi-byte character has no text of its own: its bytes are unknown here.
-            return {"content": [{"token": t, "logprob": v, "top_logprobs": [],
-                                 "bytes": None if "\ufffd" in t else list(t.encode())}
-                                for t, v in zip(tokens, values)]}
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
-
 
 COMPLETION = _Kind("cmpl", "text_completion", "text_completion", chat=False)
 CHAT = _Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
+class _View:
+    """How one request's engine outputs read on the wire: echo, logprobs, reasoning, usage."""
+
+    def __init__(self, svc: _Service, kind: _Kind, body, prompts: list[_Prompt]):
+        self.svc, self.kind, self.body, self.prompts = svc, kind, body, prompts
+        self.labels = logprob_formats.TokenLabels(svc.token_text, body.return_tokens_as_token_ids)
+        self.reasoning = svc.reasoning if kind.chat else None
+
+    def prompt(self, index: int) -> _Prompt:
+        return self.prompts[index // self.body.n]
+
+    def completion_tokens(self, out) -> int:
+        return 0 if self.body.echo_only else len(out.outputs[0].token_ids)
+
+    def echo_prefix(self) -> str:
+        """Chat echo (vLLM): the last message's content, when the reply continues that role."""
+        last = self.body.messages[-1]
+        return last.text if self.body.echo and last.role == self.body.reply_role else ""
+
+    def logprobs(self, token_ids, entries, text_offset: int = 0) -> dict | None:
+        body = self.body
+        if self.kind.chat:
+            return logprob_formats.chat_logprobs(token_ids, entries, body.top_logprobs or 0, self.labels) \
+                if body.logprobs else None
+        if body.logprobs is None:
+            return None
+        return logprob_formats.completion_logprobs(token_ids, entries, body.logprobs, self.labels, text_offset)
+
+    def echoed(self, index: int, out) -> tuple[str, list[int], list]:
+        """What echo puts before a completion: the prompt's text, ids and logprobs (null where not computed)."""
+        prompt = self.prompt(index)
+        if prompt.text is None:
+            prompt.text = self.svc.tokenizer.decode(prompt.ids)
+        entries = out.prompt_logprobs or [None] * len(prompt.ids)
+        return prompt.text, list(prompt.ids), list(entries)
+
+    def message(self, text: str, opened: bool) -> dict:
+        message = {"role": self.body.reply_role, "content": text}
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(text, opened)
+            message["content"] = content
+            message["reasoning_content"] = reasoning if self.body.include_reasoning else None
+        prefix = self.echo_prefix()
+        if prefix:
+            message["content"] = prefix + (message["content"] or "")
+        return message
+
+    def choice(self, index: int, out) -> dict:
+        c = out.outputs[0]
+        text, token_ids, entries = ("", [], []) if self.body.echo_only else (c.text, c.token_ids, c.logprobs or [])
+        choice = {"index": index}
+        if self.kind.chat:
+            opened = self.reasoning is not None and self.reasoning.opens_thinking(self.prompt(index).text)
+            choice["message"] = self.message(text, opened)
+        else:
+            if self.body.echo:
+                prompt_text, prompt_ids, prompt_entries = self.echoed(index, out)
+                text, token_ids, entries = prompt_text + text, prompt_ids + token_ids, prompt_entries + entries
+            choice["text"] = text
+        choice.update(logprobs=self.logprobs(token_ids, entries), finish_reason=c.finish_reason,
+                      stop_reason=c.stop_reason)
+        if not self.kind.chat and self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = logprob_formats.prompt_logprobs(out.prompt_logprobs)
+        return choice
+
+    def choice_stream(self, index: int) -> "_ChoiceStream":
+        return _ChoiceStream(self, index)
+
+
+class _ChoiceStream:
+    """The chunks of one streamed choice: text sent only once no later token can take it back (a stop string
+    or a reasoning tag may still complete), each token's logprobs with the chunk that first covers it."""
+
+    def __init__(self, view: _View, index: int):
+        self.view, self.index = view, index
+        self.sent_chars = self.sent_tokens = self.text_offset = 0
+        self.started = False
+        holds = view.body.stop_strings
+        self.opened = False
+        if view.reasoning is not None:
+            holds += view.reasoning.tags
+            self.opened = view.reasoning.opens_thinking(view.prompt(index).text)
+        self.holds = holds
+        self.sent_parts = [0, 0]  # reasoning, content characters sent
+
+    def usage(self) -> dict:
+        return _Service.usage(len(self.view.prompt(self.index).ids), self.sent_tokens)
+
+    def opening(self) -> dict | None:
+        if not self.view.kind.chat:
+            return None
+        return {"index": self.index, "delta": {"role": self.view.body.reply_role, "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, out) -> dict | None:
+        view, c = self.view, out.outputs[0]
+        finish = c.finish_reason
+        text, token_ids, entries = ("", [], []) if view.body.echo_only else (c.text, c.token_ids, c.logprobs)
+        end = len(text) if finish else stable_text_len(text, self.holds)
+        if view.reasoning is not None and not finish and not view.reasoning.decided(text[:end]):
+            end = 0
+        # the first chunk of a choice carries what echo adds: the prompt (completions), the last message (chat)
+        echo = not self.started and view.body.echo and (not view.kind.chat or view.echo_prefix())
+        if end <= self.sent_chars and finish is None and not echo:
+            return None
+        self.started = True
+        piece = text[self.sent_chars:end]
+        new_ids = list(token_ids[self.sent_tokens:])
+        new_entries = list(entries[self.sent_tokens:]) if entries is not None else []
+        self.sent_chars, self.sent_tokens = max(end, self.sent_chars), len(token_ids)
+        if echo and not view.kind.chat:
+            prompt_text, prompt_ids, prompt_entries = view.echoed(self.index, out)
+            piece, new_ids, new_entries = prompt_text + piece, prompt_ids + new_ids, prompt_entries + new_entries
+        lp = view.logprobs(new_ids, new_entries, self.text_offset)
+        self.text_offset += len(piece)
+        if not view.kind.chat:
+            return {"index": self.index, "text": piece, "logprobs": lp, "finish_reason": finish,
+                    "stop_reason": c.stop_reason}
+        delta = self.chat_delta(text[:self.sent_chars], piece, view.echo_prefix() if echo else "")
+        return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason}
+
+    def chat_delta(self, sent_text: str, piece: str, prefix: str) -> dict:
+        view = self.view
+        if view.reasoning is None:
+            return {"content": prefix + piece} if prefix + piece else {}
+        parts = view.reasoning.split(sent_text, self.opened)
+        delta = {}
+        for i, (name, part) in enumerate(zip(("reasoning_content", "content"), parts)):
+            new = (part or "")[self.sent_parts[i]:]
+            self.sent_parts[i] += len(new)
+            if new and (name == "content" or view.body.include_reasoning):
+                delta[name] = new
+        if prefix:
+            delta["content"] = prefix + delta.get("content", "")
+        return delta
+
+
 # -- the app ----------------------------------------------------------------------------------------------------
 def create_app(engine, *, api_key: str | None = None, max_queued_requests: int = 256,
-               served_model_name: str | None = None, warmup: bool = False) -> FastAPI:
+               served_model_name: str | None = None, warmup: bool = False,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine loop thread and, on shutdown, aborts and joins it.
 
     With ``warmup`` the loop thread first compiles the engine's programs while the server already answers:
-    ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done."""
+    ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done. With
+    ``reasoning_parser`` (``reasoning.PARSERS``) chat replies split their thinking into ``reasoning_content``."""
+    reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
     async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup)
-    svc = _Service(engine, async_engine, served_model_name or engine.model_name)
+    svc = _Service(engine, async_engine, served_model_name or engine.model_name, reasoning)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -344,16 +484,14 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        svc.check_model(body.model)
-        prompts = [svc.encode(p) for p in body.prompt_batch()]
-        return await svc.respond(COMPLETION, body, prompts, body.max_tokens, body.logprobs is not None, request)
+        request_id = svc.start(COMPLETION, body)
+        prompts = [svc.encode(p, body.add_special_tokens, body.truncate_prompt_tokens) for p in body.prompt_batch()]
+        return await svc.respond(COMPLETION, request_id, body, prompts, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        svc.check_model(body.model)
-        prompts = [svc.render_chat(body)]
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await svc.respond(CHAT, body, prompts, max_tokens, body.logprobs, request)
+        request_id = svc.start(CHAT, body)
+        return await svc.respond(CHAT, request_id, body, [svc.render_chat(body)], request)
 
     def model_card() -> dict:
         return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "zipage_jax",
@@ -425,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every shape bucket before serving requests; meanwhile /health answers 503 "
                              "'starting' (default: %(default)s)")
+    server.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                        help="split chat replies' <think>...</think> into reasoning_content, as vLLM does")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="(default: %(default)s)")
     parser.set_defaults(engine_fields=add_engine_options(parser))
@@ -453,7 +593,8 @@ def main(argv: list[str] | None = None):
     except ValueError as e:  # what only the model and the device tell: its context, the memory plan, a Hub id
         option_error(parser, e)
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                     served_model_name=args.served_model_name, warmup=args.warmup)
+                     served_model_name=args.served_model_name, warmup=args.warmup,
+                     reasoning_parser=args.reasoning_parser)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)

@@ -1,13 +1,19 @@
 """OpenAI wire format: request models (validated by pydantic) and the error shape every failure uses.
 
-Requests are strict (no string-to-number coercion) and closed (an unknown field is a 400 naming it), so a
-client never silently gets behaviour it did not ask for. Value ranges are left to `SamplingParams`, the single
-source of truth; its `ValueError`s become 400s too.
+Like vLLM's server, a request may carry fields this server does not declare: they are accepted and named in one
+warning per request (``ignored_fields``), so clients written for vLLM or OpenAI work unchanged. Fields vLLM
+implements and this server does not (structured output, tools, beam search, ...) are refused with a 400 when
+they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Declared fields are
+strict (no string-to-number coercion). Value ranges are left to `SamplingParams`, the single source of truth;
+its `ValueError`s become 400s too.
 """
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from zipage_jax.sampling_params import MAX_LOGPROBS
 
 MAX_N = 128  # choices per request; larger fan-outs belong in separate requests
 
@@ -35,20 +41,63 @@ def validation_error(errors: list[dict]) -> APIError:
     if not loc:
         return APIError(400, f"request body must be a JSON object: {first.get('msg', '')}")
     field = ".".join(loc)
-    if kind == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: '{field}'", param=field, code="unsupported_parameter")
     return APIError(400, f"{field}: {first.get('msg', 'invalid value')}", param=loc[0])
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Closed):
-    include_usage: bool = False
+def _empty(value) -> bool:
+    return value is None or value == [] or value == {} or value == ""
 
 
-class _GenerationRequest(_Closed):
+# Fields vLLM implements and this server does not: a 400 unless the value asks for nothing (True = neutral).
+UNSUPPORTED: dict[str, Callable[[Any, "_GenerationRequest"], bool]] = {
+    "best_of": lambda v, r: v is None or v == r.n,
+    "use_beam_search": lambda v, r: v in (None, False),
+    "logit_bias": lambda v, r: _empty(v),
+    "allowed_token_ids": lambda v, r: _empty(v),
+    "bad_words": lambda v, r: _empty(v),
+    "logits_processors": lambda v, r: _empty(v),
+    "prompt_embeds": lambda v, r: _empty(v),
+    "suffix": lambda v, r: _empty(v),
+    "response_format": lambda v, r: v is None or v == {"type": "text"},
+    "guided_json": lambda v, r: v is None,
+    "guided_regex": lambda v, r: v is None,
+    "guided_choice": lambda v, r: v is None,
+    "guided_grammar": lambda v, r: v is None,
+    "structural_tag": lambda v, r: v is None,
+    "tools": lambda v, r: _empty(v),
+    "tool_choice": lambda v, r: v in (None, "none", "auto"),
+    "functions": lambda v, r: _empty(v),
+    "function_call": lambda v, r: v in (None, "none", "auto"),
+    "chat_template": lambda v, r: v is None,
+    "priority": lambda v, r: v in (None, 0),
+}
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Names of the undeclared fields of ``model`` and of the models nested in it (``messages[].name``)."""
+    names = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                suffix = "[]." if isinstance(value, list) else "."
+                names += ignored_fields(item, prefix + name + suffix)
+    return sorted(set(names))
+
+
+class StreamOptions(_Open):
+    include_usage: bool = Field(True, description="A last chunk with the usage of the whole request (vLLM's "
+                                                  "default when stream_options is given).")
+    continuous_usage_stats: bool = Field(False, description="Extension (vLLM): every chunk carries the usage so "
+                                                            "far of its choice.")
+
+
+class _GenerationRequest(_Open):
     """Fields shared by completions and chat; `None` means "the engine's default"."""
 
     model: str
@@ -68,6 +117,16 @@ class _GenerationRequest(_Closed):
     min_tokens: int | None = Field(None, description="Extension: no stop before this many tokens.")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past end-of-sequence.")
     skip_special_tokens: bool | None = Field(None, description="Extension: drop special tokens from text.")
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="Extension: spaces between special tokens in text (slow tokenizers).")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="Extension: keep the matched stop string (or stop token's text) in the text.")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="Extension: keep the prompt's last k tokens.")
+    prompt_logprobs: int | None = Field(
+        None, description=f"Extension: logprobs of the prompt tokens with this many alternatives (0-{MAX_LOGPROBS}; "
+                          "not with stream). Such a request computes its whole prompt (no prefix cache).")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="Extension: logprobs name tokens as 'token_id:N' instead of their text.")
     kv_budget_pages: int | None = Field(
         None, description="Extension: the most KV pages one choice may hold; older tokens are evicted "
                           "(compressed) to stay within it.")
@@ -77,8 +136,22 @@ class _GenerationRequest(_Closed):
         """The SamplingParams fields the client set (everything else keeps the engine default)."""
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                 "skip_special_tokens", "kv_budget_pages")
+                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "kv_budget_pages")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def check(self) -> list[str]:
+        """Refuse what cannot be honoured (a 400 naming the field); return the fields to ignore."""
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and not neutral(extra[name], self):
+                raise APIError(400, f"{name}: not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only with stream=true", param="stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise APIError(400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs")
+        return [name for name in ignored_fields(self) if name not in UNSUPPORTED]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -88,14 +161,21 @@ class _GenerationRequest(_Closed):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of token ids, or a batch of either (each prompt gets n choices).")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 (with echo): score the prompt, generate nothing.")
     logprobs: int | None = Field(
-        None, ge=0, le=0, description="0: return each sampled token's log-probability (top alternatives "
-                                      "are not computed, so larger values are refused).")
+        None, description=f"Each token's logprob and its N most likely alternatives (0-{MAX_LOGPROBS}).")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs when "
+                                          "logprobs is set; the first prompt token's is null).")
+    add_special_tokens: bool = Field(True, description="Extension: let the tokenizer add its special tokens "
+                                                       "(e.g. BOS) to a text prompt.")
 
     def prompt_batch(self) -> list[str | list[int]]:
         p = self.prompt
@@ -105,21 +185,52 @@ class CompletionRequest(_GenerationRequest):
             raise APIError(400, "prompt: must not be empty", param="prompt")
         return list(p)
 
+    @property
+    def logprobs_width(self) -> int | None:
+        return self.logprobs
 
-class TextPart(_Closed):
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def prompt_logprobs_width(self) -> int | None:
+        """vLLM: echo with logprobs scores the prompt with as many alternatives."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt is scored (one token is generated and dropped, as in vLLM)."""
+        return self.echo and self.max_tokens == 0
+
+    def check(self) -> list[str]:
+        ignored = super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: must be >= 1 (0 only with echo)", param="max_tokens")
+        return ignored
+
+
+class TextPart(_Open):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Closed):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
 
     def as_template_message(self) -> dict:
         """What a chat template expects: role + plain string content ("developer" is OpenAI's new "system")."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -127,4 +238,48 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="Only 0: alternatives are not computed.")
+    top_logprobs: int | None = Field(None, description=f"With logprobs: the N most likely alternatives of each "
+                                                       f"token (0-{MAX_LOGPROBS}).")
+    echo: bool = Field(False, description="Extension: prepend the last message's content to the reply when it "
+                                          "has the reply's role.")
+    add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
+    continue_final_message: bool = Field(False, description="Extension: continue the last (assistant) message "
+                                                            "instead of starting a new one.")
+    add_special_tokens: bool = Field(False, description="Extension: let the tokenizer add special tokens beyond "
+                                                        "the chat template's.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension: variables for the chat template (e.g. enable_thinking).")
+    documents: list[dict[str, str]] | None = Field(None, description="Extension: documents for the chat template.")
+    include_reasoning: bool = Field(True, description="Extension: with --reasoning-parser, return the thinking "
+                                                      "as reasoning_content.")
+
+    @property
+    def logprobs_width(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def prompt_logprobs_width(self) -> int | None:
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        return False
+
+    @property
+    def reply_role(self) -> str:
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def check(self) -> list[str]:
+        ignored = super().check()
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message: not with add_generation_prompt=true",
+                           param="continue_final_message")
+        return ignored

@@ -68,7 +68,8 @@ def _mlp(layer: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return _gated(h @ layer.gate_proj, h @ layer.up_proj, layer.down_proj)
 
 
-def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def final_logits(params: Params | ServingParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """f32 logits [..., V] of residual-stream states x [..., Hd]: the final norm, then the (tied) LM head."""
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
@@ -117,7 +118,7 @@ def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions
         return x + _mlp(layer, cfg, x), None
 
     x, _ = jax.lax.scan(layer_step, params.embed[tokens], params.layers)
-    return _logits(params, cfg, x)
+    return final_logits(params, cfg, x)
 
 
 def _fused_qkv(layer: ServingLayer, cfg: ModelConfig, shards: int, h: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -143,13 +144,15 @@ def forward_paged(
     batch: PagedBatch,
     backend,
     return_queries: bool = False,
+    return_hidden: bool = False,
 ):
     """One engine step over packed tokens with the paged KV pool.
 
     Writes this step's K/V at `batch.slot_mapping`, attends through `backend` (a static object with
     write_kv / decode / prefill, see docs/ARCHITECTURE.md) and returns
     `(logits [N,V] f32, k_pool, v_pool)`; with `return_queries=True` also the post-RoPE queries
-    `[L, T, Hq, D]` (input of compression scoring).
+    `[L, T, Hq, D]` (input of compression scoring), then with `return_hidden=True` the residual stream of every
+    token after the last layer `[T, Hd]` (`final_logits` of a row gives its logits: prompt logprobs).
 
     The layer loop is unrolled over `ServingParams`' per-layer buffers, so every matmul reads its weights in
     place (a scan would copy each layer's slice of stacked weights first); the pools are addressed by layer
@@ -172,7 +175,9 @@ def forward_paged(
         x = x + attn.reshape(num_tokens, cfg.q_size) @ layer.o_proj
         x = x + _fused_mlp(layer, cfg, params.shards, x)
         queries.append(q)
-    logits = _logits(params, cfg, x[batch.logits_indices])
+    out = (final_logits(params, cfg, x[batch.logits_indices]), k_pool, v_pool)
     if return_queries:
-        return logits, k_pool, v_pool, jnp.stack(queries)
-    return logits, k_pool, v_pool
+        out += (jnp.stack(queries),)
+    if return_hidden:
+        out += (x,)
+    return out

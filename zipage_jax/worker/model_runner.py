@@ -3,7 +3,12 @@ DeviceState (pools, caches, token buffer).
 
 Each step gets its integers as one packed buffer (one host→device copy), feeds decode tokens that are still
 on the device straight from a persistent token buffer (no host round-trip), samples on the device and starts
-an asynchronous copy of the sampled tokens back to the host. The host reads them one step later.
+an asynchronous copy of the sampled tokens back to the host, with their logprobs, ranks and the top
+``MAX_LOGPROBS`` alternatives (``layers.logprobs``; every step computes them, so no request needs a program of
+its own). The host reads them one step later. A prefill also returns its tokens' residual stream; when a chunk
+belongs to a request asking for prompt logprobs, one more program (``_prompt_logprobs``, one shape) turns rows of
+it into the logprobs of the prompt tokens they predict, ``prompt_logprob_rows`` rows a dispatch, so the
+``[tokens, vocab]`` logits of a whole chunk never exist at once.
 
 Every program (decode and prefill per shape bucket, compression, swaps) is compiled through ``Programs``: warm-up
 compiles them all in parallel, and their number stays small (a handful of decode batch sizes and prefill token
@@ -33,10 +38,12 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.core.request import PENDING
 from zipage_jax.core.scheduler import SchedulerOutput
 from zipage_jax.layers.attention import AttentionBackend
+from zipage_jax.layers.logprobs import token_logprobs
 from zipage_jax.layers.sampler import SamplingRow, SamplingTensors, sample
 from zipage_jax.models import PagedBatch, forward_paged
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.models.transformer import final_logits
+from zipage_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from zipage_jax.worker import device_state, kv_cache, packing
 from zipage_jax.worker.device_state import DeviceState
 from zipage_jax.worker.executable_store import ExecutableStore, engine_fingerprint
@@ -51,6 +58,9 @@ COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 # From this many tokens a step (a decode step: one a row) on, cuBLAS beats XLA's Triton GEMMs in the decode step;
 # below it Triton wins (measured on the H200 at Qwen3-8B shapes: BENCHMARKS.md, "Decode step at the HBM roofline").
 CUBLAS_MIN_TOKENS = 64
+# Prompt positions scored per dispatch of the prompt-logprobs program: its [rows, vocab] f32 logits stay within
+# the sampling scratch the memory plan reserves for a decode step.
+PROMPT_LOGPROB_ROWS = 128
 
 
 def compiler_options(num_tokens: int) -> dict:
@@ -77,18 +87,34 @@ def pick_bucket(sizes: list[int], n: int) -> int:
 
 
 @dataclasses.dataclass
-class StepHandle:
-    """A dispatched step: which request each output row belongs to (None = no sample) and its device results
-    (a fake device gives host arrays)."""
+class PromptLogprobs:
+    """Logprobs of prompt tokens in flight: row i is prompt token ``positions[i]`` of ``requests[i]``; ``ids`` and
+    ``values`` in the layout of ``layers.logprobs.token_logprobs`` (rows past ``len(positions)`` are padding)."""
 
     requests: list
-    tokens: jax.Array
-    logprobs: jax.Array
-    kind: str  # "decode" or "prefill"
-    num_tokens: int
+    positions: list[int]
+    ids: jax.Array
+    values: jax.Array
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.tokens), np.asarray(self.logprobs)
+        return np.asarray(self.ids), np.asarray(self.values)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: which request each output row belongs to (None = no sample) and its device results
+    (a fake device gives host arrays): ``ids [B, 2 + K]`` int32 (sampled token, its rank, the top-K ids) and
+    ``values [B, 1 + K]`` f32 (its logprob, the top-K logprobs), and the prompt logprobs it computed."""
+
+    requests: list
+    ids: jax.Array
+    values: jax.Array
+    kind: str  # "decode" or "prefill"
+    num_tokens: int
+    prompt_logprobs: list[PromptLogprobs] = dataclasses.field(default_factory=list)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.ids), np.asarray(self.values)
 
 
 @typing.runtime_checkable
@@ -107,26 +133,38 @@ class Runner(typing.Protocol):
         """Compile every program a workload can need now; ``{"programs": count, "compile_s": wall seconds}``."""
 
 
-def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_queries):
+def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_queries, hidden_rows,
+          hidden_sharding):
+    """One decode or prefill step: ``(state, ids, values)`` of the sampled rows (``token_logprobs`` layout), and
+    for a prefill the residual stream of its tokens, padded to ``hidden_rows`` so that one prompt-logprobs
+    program reads every prefill bucket's."""
     inputs = packing.unpack(packed, spec)
     batch, sampling = inputs["batch"], inputs["sampling"]
     k_pool, v_pool, query_cache, token_buffer = state.k_pool, state.v_pool, state.query_cache, state.token_buffer
     in_flight = token_buffer[inputs["buffer_row"]]
     batch = batch.replace(tokens=jnp.where(inputs["from_buffer"], in_flight, batch.tokens))
+    prefill = batch.cu_q_lens is not None
+    logits, k_pool, v_pool, *extra = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend,
+                                                   return_queries=store_queries, return_hidden=prefill)
     if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
-        logits, k_pool, v_pool, queries = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend,
-                                                        return_queries=True)
         ring = batch.positions % query_cache.shape[2]
-        query_cache = query_cache.at[:, inputs["query_row"], ring].set(queries.astype(query_cache.dtype))
-    else:
-        logits, k_pool, v_pool = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend)
+        query_cache = query_cache.at[:, inputs["query_row"], ring].set(extra[0].astype(query_cache.dtype))
     # penalties must see the token each row is being fed even when the host does not know it yet
     pending = sampling.history_is_output & (sampling.history == PENDING)
     history = jnp.where(pending, token_buffer[inputs["sample_row"]][:, None], sampling.history)
-    tokens, logprobs = sample(logits, sampling.replace(history=history))
+    tokens, _ = sample(logits, sampling.replace(history=history))
+    ids, values = token_logprobs(logits, tokens, MAX_LOGPROBS)
     token_buffer = token_buffer.at[inputs["sample_row"]].set(tokens)
     state = state.replace(k_pool=k_pool, v_pool=v_pool, query_cache=query_cache, token_buffer=token_buffer)
-    return state, tokens, logprobs
+    if not prefill:
+        return state, ids, values
+    hidden = jnp.pad(extra[-1], ((0, hidden_rows - extra[-1].shape[0]), (0, 0)))
+    return state, ids, values, jax.lax.with_sharding_constraint(hidden, hidden_sharding)
+
+
+def _prompt_logprobs(params, hidden, rows, targets, *, model_cfg):
+    """Logprobs (``token_logprobs`` layout) of ``targets [R]``, each predicted by ``hidden[rows]``."""
+    return token_logprobs(final_logits(params, model_cfg, hidden[rows]), targets, MAX_LOGPROBS)
 
 
 def _compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, mesh):
@@ -208,8 +246,12 @@ class ModelRunner:
                                                     config.max_num_batched_tokens), config.max_num_batched_tokens)
         self.prefill_rows = config.max_num_prefill_seqs  # one row count: its arrays are small next to the tokens
         self._step = jax.jit(functools.partial(_step, model_cfg=model_cfg, backend=backend,
-                                               store_queries=config.compression),
+                                               store_queries=config.compression,
+                                               hidden_rows=config.max_num_batched_tokens,
+                                               hidden_sharding=self.replicated),
                              static_argnames=("spec",), donate_argnames=("state",))
+        self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, model_cfg=model_cfg))
 
     # -- host-side packing -------------------------------------------------------------------------------
     def _page_table(self, rows: int, requests) -> np.ndarray:
@@ -248,14 +290,15 @@ class ModelRunner:
                           static=dict(spec=spec), options=compiler_options(num_tokens))
         return program, packed
 
-    def _dispatch(self, inputs, requests, kind: str, num_tokens: int, bucket: int) -> StepHandle:
-        """Run the step on ``inputs`` (``num_tokens`` real tokens, padded to ``bucket``)."""
+    def _dispatch(self, inputs, requests, kind: str, num_tokens: int, bucket: int) -> tuple[StepHandle, list]:
+        """Run the step on ``inputs`` (``num_tokens`` real tokens, padded to ``bucket``); its handle, and for a
+        prefill its tokens' residual stream (else None)."""
         program, packed = self._step_program(inputs, kind, bucket)
-        self.state, tokens, logprobs = self.programs.run(program, self.params, self.state,
-                                                         jax.device_put(packed, self.replicated))
-        tokens.copy_to_host_async()
-        logprobs.copy_to_host_async()
-        return StepHandle(requests, tokens, logprobs, kind, num_tokens)
+        self.state, ids, values, *hidden = self.programs.run(program, self.params, self.state,
+                                                             jax.device_put(packed, self.replicated))
+        ids.copy_to_host_async()
+        values.copy_to_host_async()
+        return StepHandle(requests, ids, values, kind, num_tokens), (hidden[0] if hidden else None)
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _decode_inputs(self, requests, rows: int, force_sampled: bool = False) -> dict:
@@ -288,7 +331,7 @@ class ModelRunner:
         """One token per request: the one at index ``num_computed_tokens - 1`` (already counted by the scheduler)."""
         rows = pick_bucket(self.decode_sizes, len(requests))
         inputs = self._decode_inputs(requests, rows)
-        return self._dispatch(inputs, list(requests), "decode", len(requests), rows)
+        return self._dispatch(inputs, list(requests), "decode", len(requests), rows)[0]
 
     def _prefill_inputs(self, chunks, num_tokens: int, rows: int) -> tuple[dict, list]:
         total = sum(c.num_tokens for c in chunks)
@@ -328,7 +371,44 @@ class ModelRunner:
         total = sum(c.num_tokens for c in chunks)
         num_tokens = pick_bucket(self.prefill_token_sizes, total)
         inputs, sampled = self._prefill_inputs(chunks, num_tokens, self.prefill_rows)
-        return self._dispatch(inputs, sampled, "prefill", total, num_tokens)
+        handle, hidden = self._dispatch(inputs, sampled, "prefill", total, num_tokens)
+        handle.prompt_logprobs = self._score_prompts(chunks, hidden)
+        return handle
+
+    def _score_prompts(self, chunks, hidden) -> list[PromptLogprobs]:
+        """Dispatch the prompt logprobs of the chunks whose requests ask for them: the token at position t
+        predicts prompt token t + 1, which the host knows (a chunk's last token predicts the next chunk's first)."""
+        rows, targets, requests, positions = [], [], [], []
+        offset = 0
+        for c in chunks:
+            r = c.request
+            if r.sampling_params.prompt_logprobs is not None:
+                prompt = r.prompt_token_ids
+                end = min(c.start + c.num_tokens, len(prompt) - 1)  # output tokens (a recompute) are not scored
+                rows.extend(range(offset, offset + max(end - c.start, 0)))
+                targets.extend(prompt[c.start + 1:end + 1])
+                requests.extend([r] * max(end - c.start, 0))
+                positions.extend(range(c.start + 1, end + 1))
+            offset += c.num_tokens
+        parts, size = [], self.prompt_logprob_rows
+        for start in range(0, len(rows), size):
+            index = np.zeros((2, size), np.int32)  # padding rows score row 0 against token 0; nobody reads them
+            index[0, :len(rows[start:start + size])] = rows[start:start + size]
+            index[1, :len(targets[start:start + size])] = targets[start:start + size]
+            row_index, target = jax.device_put((index[0], index[1]), self.replicated)
+            ids, values = self.programs.run(self._prompt_program(), self.params, hidden, row_index, target)
+            ids.copy_to_host_async()
+            values.copy_to_host_async()
+            parts.append(PromptLogprobs(requests[start:start + size], positions[start:start + size], ids, values))
+        return parts
+
+    def _prompt_program(self) -> Program:
+        hidden = jax.ShapeDtypeStruct((self.config.max_num_batched_tokens, self.model_cfg.hidden_size),
+                                      self.params.embed.dtype, sharding=self.replicated)
+        index = jax.ShapeDtypeStruct((self.prompt_logprob_rows,), jnp.int32, sharding=self.replicated)
+        return Program(key=("prompt_logprobs",), name=f"prompt logprobs {self.prompt_logprob_rows} rows",
+                       jitted=self._prompt_logprobs, args=(self.params, hidden, index, index),
+                       options=compiler_options(self.prompt_logprob_rows))
 
     def compression_widths(self, budget: int) -> list[int]:
         """Source-table widths (pages) of compressions at budget M: the steady state M+1, then doublings."""
@@ -468,10 +548,11 @@ class ModelRunner:
     # -- warm-up -------------------------------------------------------------------------------------------
     def warmup_programs(self) -> list[Program]:
         """Every program a workload without penalties can need: greedy and sampled decode per batch bucket,
-        prefill per token bucket, and with compression the steady-state compression at every row bucket, the
-        wider first compressions of long prompts at one row, and the swaps of a steady-state request.
-        Penalties (repetition, presence, frequency) widen the sampling history and compile on first use."""
-        programs = []
+        prefill per token bucket, the prompt-logprobs program, and with compression the steady-state compression
+        at every row bucket, the wider first compressions of long prompts at one row, and the swaps of a
+        steady-state request. Penalties (repetition, presence, frequency) widen the sampling history and compile
+        on first use."""
+        programs = [self._prompt_program()]
         for rows in self.decode_sizes:
             for sampled in (False, True):
                 programs.append(self._step_program(self._decode_inputs([], rows, sampled), "decode", rows)[0])
