@@ -162,6 +162,7 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
 
         for w in range(CONSUMERS):
             @pl.when((wg == w) & (num_blocks > 0))
+            @jax.named_scope("load_q")  # the regions of the profiler trace (ragged_prefill's profile_dir)
             def _load_q():
                 for h, t0, t1, r in runs[w]:
                     rows = pl.ds(pl.multiple_of(row0 + t0, ROW_ALIGN), t1 - t0)
@@ -177,6 +178,9 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
             plgpu.barrier_wait(k_bars.at[0])
 
         pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts one phase behind: the ping-pong
+        # Row r is token (64 wg + r) % tile_tokens of its head.
+        rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        row_pos = pos0 + lax.rem(rows + wg * WG_ROWS, tile_tokens)
 
         def step(block, carry, *, masked):
             acc, m_i, l_i = carry
@@ -187,48 +191,50 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                 schedule_barrier()  # the other warpgroup's p @ v runs while ours is in flight
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+            with jax.named_scope("qk"):
+                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            if masked:  # row r is token (64 wg + r) % tile_tokens of its head: it sees slots <= its position
-                shape = (WG_ROWS, block_kv)
-                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                token = lax.rem(rows + wg * WG_ROWS, tile_tokens)
-                s = jnp.where(cols + block * block_kv <= token + pos0, s, -jnp.inf)
-            scale = sm_scale * _LOG2E  # m_i and the exponents are in base 2, the scale folded into one FMA
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(schedule)  # softmax done
-            plgpu.barrier_wait(v_bars.at[slot])
-            plgpu.barrier_wait(schedule)  # the tensor cores are ours
+            with jax.named_scope("softmax"):
+                if masked:  # each row sees the slots up to its position
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    limit = lax.broadcast_in_dim(row_pos - block * block_kv, s.shape, [0])
+                    s = jnp.where(cols <= limit, s, -jnp.inf)
+                scale = sm_scale * _LOG2E  # m_i and the exponents are in base 2, the scale folded into one FMA
+                m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            with jax.named_scope("wait_v"):
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
             def wait_next_k():
                 @pl.when(block + 1 < num_blocks)
                 def _():
                     plgpu.barrier_wait(k_bars.at[lax.rem(block + 1, num_stages)])
 
-            if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    wait_next_k()
+            with jax.named_scope("pv"):
+                if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k()
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
-                my_p = p_smem.at[wg]
-                my_p[...] = p16
-                plgpu.commit_smem()
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
+                    my_p = p_smem.at[wg]
+                    my_p[...] = p16
+                    plgpu.commit_smem()
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                    wait_next_k()
-                    return acc_ref[...]
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                        wait_next_k()
+                        return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
 
@@ -236,24 +242,25 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
         acc, _, l_i = lax.fori_loop(unmasked, num_blocks, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(schedule_barrier)
 
-        # Rows with nothing to attend to (padding tiles, rows before a chunk) hold 0 / 0: they become zeros.
-        l_wide = lax.broadcast_in_dim(l_i, acc.shape, [0])
-        my_stage = o_stage.at[wg]
-        my_stage[...] = jnp.where(l_wide > 0, acc / l_wide, 0.0).astype(dtype)
-        plgpu.commit_smem()
-        for w in range(CONSUMERS):
-            @pl.when(wg == w)
-            def _store():
-                for h, t0, t1, r in runs[w]:
-                    _store_rows(o_stage.at[w], o_ref, h + head0, row0, t0, t1, r, first, end)
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("store"):
+            # The padding tiles' rows attend to nothing (acc = 0, l = 0): they become zeros.
+            inv_l = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
+            my_stage = o_stage.at[wg]
+            my_stage[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            for w in range(CONSUMERS):
+                @pl.when(wg == w)
+                def _store():
+                    for h, t0, t1, r in runs[w]:
+                        _store_rows(o_stage.at[w], o_ref, h + head0, row0, t0, t1, r, first, end)
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        issue = functools.partial(_issue_kv, page_tables_ref=page_tables_ref, request=request, layer=layer,
-                                  kv_head=kv_head, last_live_page=last_live_page, block_kv=block_kv,
-                                  page_size=page_size)
+        issue = jax.named_scope("load_kv")(functools.partial(
+            _issue_kv, page_tables_ref=page_tables_ref, request=request, layer=layer, kv_head=kv_head,
+            last_live_page=last_live_page, block_kv=block_kv, page_size=page_size))
         for s in range(num_stages):
             @pl.when(s < num_blocks)
             def _prologue():
@@ -298,24 +305,29 @@ def _store_rows(stage, o_ref, head, row0, t0, t1, stage_row0, first, end):
             size //= 2
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers):
+def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profile_space):
     tiles = CONSUMERS * WG_ROWS * head_dim * 2  # query tiles and output staging
     kv = 2 * num_stages * block_kv * head_dim
     p = 0 if p_in_registers else CONSUMERS * WG_ROWS * block_kv
-    return (tiles + kv + p) * itemsize
+    profile = (CONSUMERS + 1) * profile_space * 4 * 4  # a range: 2 events of 2 int32 entries, per warpgroup
+    return (tiles + kv + p) * itemsize + profile
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "interpret", "profile_dir"))
 def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=128,
-                   num_stages=2, interpret=False):
+                   num_stages=2, interpret=False, profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
-    ``ragged_prefill_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``ragged_prefill_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
+    makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
+    qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
     _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     check_block_kv(block_kv, page_size, num_stages)
     p_in_registers = not interpret  # interpret mode runs wgmma on shared-memory operands only
-    if _smem_bytes(head_dim, block_kv, num_stages, q.dtype.itemsize, p_in_registers) > SMEM_BYTES:
+    # Profiler ranges per warpgroup: 4 a KV block for the consumers (2 for the producer), and a few more.
+    profile_space = 4 * pl.cdiv(page_tables.shape[1] * page_size, block_kv) + 4 if profile_dir else 0
+    if _smem_bytes(head_dim, block_kv, num_stages, q.dtype.itemsize, p_in_registers, profile_space) > SMEM_BYTES:
         raise ValueError(f"block_kv {block_kv} x num_stages {num_stages} needs more shared memory than a CTA has")
     group = num_q_heads // num_kv_heads
     heads, tile_tokens = gqa_tiling(group)
@@ -352,7 +364,8 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, profile_space=profile_space,
+                                             profile_dir=profile_dir or "", profile_bounds_check=bool(profile_dir)),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.append(cu_q_lens, num_tokens),
       jnp.append(kv_lens.astype(jnp.int32), 0), page_tables.astype(jnp.int32), tile_request, tile_row, q_padded,

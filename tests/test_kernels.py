@@ -14,6 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import gqa_tiling, query_tiles, ragged_prefill, warpgroup_runs
+from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from helpers import assert_close, shuffled_page_tables
 from seeds import fresh_seed, seeded_rng
@@ -181,6 +182,7 @@ LOWERING_CASES = [
     ("prefill", 4, 128, 128, 128),
     ("prefill", 1, 64, 32, 128),
     ("prefill", 5, 128, 256, 64),
+    ("prefill_per_head", 4, 128, 128, 64),  # the previous kernel, the benchmarks' baseline
 ]
 
 
@@ -194,7 +196,8 @@ def test_kernels_lower_for_hopper(kernel, group, head_dim, page_size, block_kv):
         args = (jax.ShapeDtypeStruct((4, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(kv_lens=i32(4), page_tables=i32(4, 8))
     else:
-        fn = functools.partial(ragged_prefill, layer=1, sm_scale=0.1, block_kv=block_kv)
+        kernel_fn = ragged_prefill if kernel == "prefill" else ragged_prefill_per_head
+        fn = functools.partial(kernel_fn, layer=1, sm_scale=0.1, block_kv=block_kv)
         args = (jax.ShapeDtypeStruct((100, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(cu_q_lens=i32(3), kv_lens=i32(2), page_tables=i32(2, 8))
     lowered = jax.jit(lambda *a, **kw: fn(*a, **kw)).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
