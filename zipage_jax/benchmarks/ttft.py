@@ -120,8 +120,9 @@ def comparisons(results: list[dict]) -> list[str]:
         base = rows[0]
         for r in rows[1:]:
             same = r["first_tokens"] == base["first_tokens"]
-            lines.append(f"budget {budget}: {r['backend']} {r['ttft_ms']:.1f} ms = {r['ttft_ms'] / base['ttft_ms']:.2f}x "
-                         f"{base['backend']} {base['ttft_ms']:.1f} ms (same first tokens: {same})")
+            ratio = r["ttft_ms"] / base["ttft_ms"]
+            lines.append(f"budget {budget}: {r['backend']} {r['ttft_ms']:.1f} ms = {ratio:.2f}x {base['backend']} "
+                         f"{base['ttft_ms']:.1f} ms (same first tokens: {same})")
     return lines
 
 
