@@ -1,21 +1,23 @@
 """Ragged paged prefill attention as a Mosaic GPU (Hopper) kernel with the FlashAttention-3 structure.
 
-One CTA serves one (KV head, query tile). Its 128 rows stack the query heads of the KV head's GQA group (or a
-slab of them, see ``gqa_tiling``) head-major over ``tile_tokens`` consecutive tokens of one request, so every
-KV block it loads serves all of them. Three warpgroups: a producer issues the TMA loads of the KV blocks from
-the pages the page table names (``num_stages`` blocks in flight; a block spanning several small pages is one
-copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the online softmax and ``p @ v``
-on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax overlaps the other's
-matmuls. Query ``i`` of request ``r`` sits at position ``kv_lens[r] - q_len + i`` and sees the request's cached
-prefix plus the earlier rows of its own chunk: KV blocks wholly below the tile's first position run unmasked,
-the diagonal blocks masked, and blocks past the tile's last position are never loaded.
+The work items are (query tile, KV head) pairs. An item's 128 rows stack the query heads of the KV head's GQA
+group (or a slab of them, see ``gqa_tiling``) head-major over ``tile_tokens`` consecutive tokens of one
+request, so every KV block it loads serves all of them. The kernel is persistent: one CTA per SM runs items
+``cta, cta + num_ctas, ...``. Three warpgroups: a producer issues the TMA loads of the KV blocks from the pages
+the page table names (``num_stages`` blocks in flight, running on into the next item; a block spanning several
+small pages is one copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the online
+softmax and ``p @ v`` on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax overlaps
+the other's matmuls; each loads the next item's queries while it writes the current one's output. Query ``i``
+of request ``r`` sits at position ``kv_lens[r] - q_len + i`` and sees the request's cached prefix plus the
+earlier rows of its own chunk: KV blocks wholly below the tile's first position run unmasked, the diagonal
+blocks masked, and blocks past the tile's last position are never loaded.
 
 Tiles are cut per request (many short prompts cost what one long one does, up to one partial tile each) and
 start on 8-aligned packed rows (the swizzled TMA box of the query tile needs it), so a request's first tile may
 begin up to 7 rows early. Each warpgroup writes its rows straight to their packed places: through an unswizzled
 staging buffer, as TMA boxes cut (in power-of-two row counts) to the rows that are the tile's own, so
 neighbouring requests' rows are never touched. The padding rows past ``cu_q_lens[R]`` are tiles with no KV:
-they write zeros. The tiles of each request run last-first, the longest first.
+they write zeros. The tiles of each request run last-first, so the longest items start first.
 """
 
 import functools
@@ -128,156 +130,205 @@ def _issue_kv(ref, smem, barrier, page_tables_ref, request, layer, kv_head, bloc
         plgpu.copy_gmem_to_smem(ref.at[layer, page, kv_head], smem.at[pl.ds(j * page_size, page_size)], barrier)
 
 
+class _Item:
+    """One work item of a CTA, a (query tile, head slab) pair, read off the tile tables: its request, rows,
+    positions and the KV blocks it runs (the scalars every warpgroup derives the same way)."""
+
+    def __init__(self, index, refs, *, num_slabs, slabs, heads, tile_tokens, block_kv):
+        layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref = refs
+        tile, slab = index // num_slabs, index % num_slabs  # the slabs of one tile run side by side
+        self.kv_head, self.head0 = slab // slabs, slab * heads
+        self.layer = layer_ref[0]
+        self.request = tile_request_ref[tile]
+        self.row0 = tile_row_ref[tile]  # packed row of the tile's token 0 (a multiple of 8)
+        chunk_start, chunk_end = bounds_ref[self.request], bounds_ref[self.request + 1]
+        self.kv_len = kv_lens_ref[self.request]
+        self.pos0 = self.kv_len - (chunk_end - chunk_start) + (self.row0 - chunk_start)  # token 0's position
+        self.first = jnp.clip(chunk_start - self.row0, 0, tile_tokens)  # the tile's own tokens: [first, end)
+        self.end = jnp.clip(chunk_end - self.row0, 0, tile_tokens)
+        last_pos = lax.min(self.pos0 + self.end - 1, self.kv_len - 1)
+        self.num_blocks = jnp.where(self.end > self.first, lax.max(last_pos + 1, 0) + block_kv - 1, 0) // block_kv
+        # Blocks wholly below every own token's position run unmasked.
+        self.unmasked = jnp.clip(lax.max(self.pos0 + self.first + 1, 0) // block_kv, 0, self.num_blocks)
+
+
 def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
                     k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
-                    v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, sm_scale, block_kv, num_stages,
-                    page_size, p_in_registers):
-    slab = lax.axis_index("h")  # KV head * slabs + slab of its group
-    tile = lax.axis_index("t")
+                    v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
+                    sm_scale, block_kv, num_stages, page_size, p_in_registers):
+    cta = lax.axis_index("c")
     wg = lax.axis_index("wg")
-    kv_head, head0 = slab // slabs, slab * heads
-    layer = layer_ref[0]
-    request = tile_request_ref[tile]
-    row0 = tile_row_ref[tile]  # packed row of the tile's token 0 (a multiple of 8)
-    chunk_start, chunk_end = bounds_ref[request], bounds_ref[request + 1]
-    kv_len = kv_lens_ref[request]
-    pos0 = kv_len - (chunk_end - chunk_start) + (row0 - chunk_start)  # position of the tile's token 0
-    first = jnp.clip(chunk_start - row0, 0, tile_tokens)  # the tile's own tokens: [first, end)
-    end = jnp.clip(chunk_end - row0, 0, tile_tokens)
-    last_pos = lax.min(pos0 + end - 1, kv_len - 1)
-    num_blocks = jnp.where(end > first, lax.max(last_pos + 1, 0) + block_kv - 1, 0) // block_kv
-    unmasked = jnp.clip(lax.max(pos0 + first + 1, 0) // block_kv, 0, num_blocks)  # below every own token
-    last_live_page = lax.max(kv_len - 1, 0) // page_size
+    my_items = (num_items - cta + num_ctas - 1) // num_ctas  # items cta, cta + num_ctas, ...
     runs = warpgroup_runs(heads, tile_tokens)
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
+    refs = (layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref)
+
+    def item(k):
+        return _Item(cta + k * num_ctas, refs, num_slabs=num_slabs, slabs=slabs, heads=heads,
+                     tile_tokens=tile_tokens, block_kv=block_kv)
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
+
+    def load_q(it):
+        """This warpgroup's rows of the item's query tile, one TMA copy per run of rows (signals its q barrier)."""
+        for w in range(CONSUMERS):
+            @pl.when((wg == w) & (it.num_blocks > 0))
+            @jax.named_scope("load_q")  # the regions of the profiler trace (ragged_prefill's profile_dir)
+            def _():
+                for h, t0, t1, r in runs[w]:
+                    rows = pl.ds(pl.multiple_of(it.row0 + t0, ROW_ALIGN), t1 - t0)
+                    plgpu.copy_gmem_to_smem(q_ref.at[rows, it.head0 + h], q_smem.at[w, pl.ds(r, t1 - t0)],
+                                            q_bars[w])
+
+    def wait_q(it):
+        for w in range(CONSUMERS):
+            @pl.when((wg == w) & (it.num_blocks > 0))
+            def _():
+                plgpu.barrier_wait(q_bars[w])
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         my_q = q_smem.at[wg]
 
-        for w in range(CONSUMERS):
-            @pl.when((wg == w) & (num_blocks > 0))
-            @jax.named_scope("load_q")  # the regions of the profiler trace (ragged_prefill's profile_dir)
-            def _load_q():
-                for h, t0, t1, r in runs[w]:
-                    rows = pl.ds(pl.multiple_of(row0 + t0, ROW_ALIGN), t1 - t0)
-                    plgpu.copy_gmem_to_smem(q_ref.at[rows, head0 + h], q_smem.at[w, pl.ds(r, t1 - t0)], q_bars[w])
-                plgpu.barrier_wait(q_bars[w])
-
-        m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        @pl.when(num_blocks > 0)
+        @pl.when(my_items > 0)
         def _():
-            plgpu.barrier_wait(k_bars.at[0])
+            load_q(item(0))
 
-        pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts one phase behind: the ping-pong
-        # Row r is token (64 wg + r) % tile_tokens of its head.
-        rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-        row_pos = pos0 + lax.rem(rows + wg * WG_ROWS, tile_tokens)
+        def one_item(k, step0):  # step0: KV blocks this CTA ran before (its slots and barrier phases go on)
+            it = item(k)
+            wait_q(it)
+            m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def step(block, carry, *, masked):
-            acc, m_i, l_i = carry
-            slot = lax.rem(block, num_stages)
+            @pl.when(it.num_blocks > 0)
+            def _():
+                plgpu.barrier_wait(k_bars.at[lax.rem(step0, num_stages)])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
-                schedule_barrier()  # the other warpgroup's p @ v runs while ours is in flight
-                return acc_ref[...]
+            pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts one phase behind: the ping-pong
+            # Row r is token (64 wg + r) % tile_tokens of its head.
+            rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+            row_pos = it.pos0 + lax.rem(rows + wg * WG_ROWS, tile_tokens)
 
-            with jax.named_scope("qk"):
-                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            with jax.named_scope("softmax"):
-                if masked:  # each row sees the slots up to its position
-                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    limit = lax.broadcast_in_dim(row_pos - block * block_kv, s.shape, [0])
-                    s = jnp.where(cols <= limit, s, -jnp.inf)
-                scale = sm_scale * _LOG2E  # m_i and the exponents are in base 2, the scale folded into one FMA
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            with jax.named_scope("wait_v"):
-                plgpu.barrier_arrive(schedule)  # softmax done
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_wait(schedule)  # the tensor cores are ours
+            def step(block, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step0 + block, num_stages)
 
-            def wait_next_k():
-                @pl.when(block + 1 < num_blocks)
-                def _():
-                    plgpu.barrier_wait(k_bars.at[lax.rem(block + 1, num_stages)])
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
+                    schedule_barrier()  # the other warpgroup's p @ v runs while ours is in flight
+                    return acc_ref[...]
 
-            with jax.named_scope("pv"):
-                if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_k()
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                with jax.named_scope("softmax"):
+                    if masked:  # each row sees the slots up to its position
+                        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                        limit = lax.broadcast_in_dim(row_pos - block * block_kv, s.shape, [0])
+                        s = jnp.where(cols <= limit, s, -jnp.inf)
+                    scale = sm_scale * _LOG2E  # m_i and the exponents are in base 2, the scale folded into an FMA
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_arrive(schedule)  # softmax done
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
-                    my_p = p_smem.at[wg]
-                    my_p[...] = p16
-                    plgpu.commit_smem()
+                def wait_next_k():
+                    @pl.when(block + 1 < it.num_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(step0 + block + 1, num_stages)])
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                        wait_next_k()
-                        return acc_ref[...]
+                with jax.named_scope("pv"):
+                    if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            wait_next_k()
 
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_new, l_i
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
+                        my_p = p_smem.at[wg]
+                        my_p[...] = p16
+                        plgpu.commit_smem()
 
-        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
-        acc, _, l_i = lax.fori_loop(unmasked, num_blocks, functools.partial(step, masked=True), carry)
-        pl.when(wg == 0)(schedule_barrier)
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                            wait_next_k()
+                            return acc_ref[...]
 
-        with jax.named_scope("store"):
-            # The padding tiles' rows attend to nothing (acc = 0, l = 0): they become zeros.
-            inv_l = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
-            my_stage = o_stage.at[wg]
-            my_stage[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            plgpu.commit_smem()
-            for w in range(CONSUMERS):
-                @pl.when(wg == w)
-                def _store():
-                    for h, t0, t1, r in runs[w]:
-                        _store_rows(o_stage.at[w], o_ref, h + head0, row0, t0, t1, r, first, end)
-            plgpu.wait_smem_to_gmem(0)
+                        acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            carry = lax.fori_loop(0, it.unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
+            acc, _, l_i = lax.fori_loop(it.unmasked, it.num_blocks, functools.partial(step, masked=True), carry)
+            pl.when(wg == 0)(schedule_barrier)
+
+            @pl.when(k + 1 < my_items)
+            def _():  # the query tile is free: the next item's loads run under this one's epilogue
+                load_q(item(k + 1))
+
+            @pl.when(it.end > it.first)
+            @jax.named_scope("store")
+            def _():
+                # The padding tiles' rows attend to nothing (acc = 0, l = 0): they become zeros.
+                inv_l = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the staging
+                o_stage.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+                plgpu.commit_smem()
+                for w in range(CONSUMERS):
+                    @pl.when(wg == w)
+                    def _():
+                        for h, t0, t1, r in runs[w]:
+                            _store_rows(o_stage.at[w], o_ref, h + it.head0, it.row0, t0, t1, r, it.first, it.end)
+
+            return step0 + it.num_blocks
+
+        lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        issue = jax.named_scope("load_kv")(functools.partial(
-            _issue_kv, page_tables_ref=page_tables_ref, request=request, layer=layer, kv_head=kv_head,
-            last_live_page=last_live_page, block_kv=block_kv, page_size=page_size))
-        for s in range(num_stages):
-            @pl.when(s < num_blocks)
-            def _prologue():
-                issue(k_ref, k_smem.at[s], k_bars.at[s], block=s)
-                issue(v_ref, v_smem.at[s], v_bars.at[s], block=s)
 
-        @pl.loop(num_stages, lax.max(num_blocks, num_stages))
-        def _refill(block):
-            slot = lax.rem(block, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            issue(k_ref, k_smem.at[slot], k_bars.at[slot], block=block)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            issue(v_ref, v_smem.at[slot], v_bars.at[slot], block=block)
+        def one_item(k, step0):
+            it = item(k)
+            issue = jax.named_scope("load_kv")(functools.partial(
+                _issue_kv, page_tables_ref=page_tables_ref, request=it.request, layer=it.layer,
+                kv_head=it.kv_head, last_live_page=lax.max(it.kv_len - 1, 0) // page_size, block_kv=block_kv,
+                page_size=page_size))
 
-        @pl.loop(lax.max(num_blocks - num_stages, 0), num_blocks)
-        def _drain(block):  # observe the last releases too, so every barrier phase is waited for
-            slot = lax.rem(block, num_stages)
+            @pl.loop(0, it.num_blocks)
+            def _(block):
+                step = step0 + block
+                slot = lax.rem(step, num_stages)
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+                issue(k_ref, k_smem.at[slot], k_bars.at[slot], block=block)
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+                issue(v_ref, v_smem.at[slot], v_bars.at[slot], block=block)
+
+            return step0 + it.num_blocks
+
+        steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+
+        @pl.loop(lax.max(steps - num_stages, 0), steps)
+        def _(step):  # observe the last releases too, so every barrier phase is waited for
+            slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
 
@@ -313,11 +364,13 @@ def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profil
     return (tiles + kv + p) * itemsize + profile
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "interpret", "profile_dir"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "interpret",
+                                             "profile_dir"))
 def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=128,
-                   num_stages=2, interpret=False, profile_dir=None):
+                   num_stages=2, num_ctas=None, interpret=False, profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
-    ``ragged_prefill_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
+    ``ragged_prefill_ref``. ``num_ctas``: persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
+    ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
     makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
     qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
     _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables)
@@ -338,9 +391,16 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     pad = -num_tokens % ROW_ALIGN + (tile_tokens if interpret else 0)
     q_padded = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
     runs = warpgroup_runs(heads, tile_tokens)
+    num_slabs = num_q_heads // heads
+    num_items = tile_request.shape[0] * num_slabs
+    if num_ctas is None:
+        device = jax.devices()[0]
+        num_ctas = device.core_count if device.platform == "gpu" else 4
+    num_ctas = min(num_ctas, num_items)
     kernel = functools.partial(
-        _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, sm_scale=float(sm_scale),
-        block_kv=block_kv, num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
+        _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, num_slabs=num_slabs,
+        num_items=num_items, num_ctas=num_ctas, sm_scale=float(sm_scale), block_kv=block_kv,
+        num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
     copies = max(block_kv // page_size, 1)
     wg_tiles = (CONSUMERS, WG_ROWS, head_dim)
     kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=swizzled())
@@ -359,8 +419,8 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(num_q_heads // heads, tile_request.shape[0]),
-        grid_names=("h", "t"),
+        grid=(num_ctas,),
+        grid_names=("c",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         scratch_types=scratch,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode import merge_splits, paged_decode
@@ -100,16 +101,17 @@ def test_paged_decode_rejects_bad_input(bad):
 
 
 PREFILL_CASES = [
-    # group, head_dim, page_size, block_kv, q_lens, kv_lens, padding rows
-    (4, 64, 16, 64, [70, 0, 5], [90, 3, 5], 5),    # chunk behind a prefix; idle request; chunk at unaligned row 70
-    (1, 128, 64, 64, [3, 130], [130, 130], 0),     # one head, 128-token tiles split across the warpgroups
-    (8, 64, 128, 64, [40, 1], [40, 200], 3),       # block inside a page; single-token chunk at position 199
-    (5, 64, 32, 128, [30, 17], [30, 60], 2),       # odd group: 5 heads x 24 tokens; a block spans 4 pages
+    # group, head_dim, page_size, block_kv, CTAs, q_lens, kv_lens, padding rows; the race detector on the first
+    (4, 64, 16, 64, 2, [70, 0, 5], [90, 3, 5], 5),   # chunk behind a prefix; idle request; chunk at unaligned row 70
+    (1, 128, 64, 64, 1, [3, 70], [130, 70], 0),      # one head: a 128-token tile split across the warpgroups
+    (8, 64, 128, 64, 3, [40, 1], [40, 200], 3),      # block inside a page; single-token chunk at position 199
+    (5, 64, 32, 128, 4, [30, 17], [30, 60], 2),      # odd group: 5 heads x 24 tokens; a block spans 4 pages
 ]
 
 
-@pytest.mark.parametrize("group,head_dim,page_size,block_kv,q_lens,kv_lens,padding", PREFILL_CASES)
-def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, q_lens, kv_lens, padding):
+@pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_ctas,q_lens,kv_lens,padding", PREFILL_CASES)
+def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding):
+    """Each persistent CTA runs several (tile, head slab) items, its KV pipeline going on across them."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     num_kv_heads, layer = 1, 1
@@ -122,10 +124,17 @@ def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, 
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     lens = jnp.asarray(kv_lens, jnp.int32)
     scale = head_dim ** -0.5
-    out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, block_kv=block_kv, interpret=INTERPRET)
+    races = PREFILL_CASES.index((group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding)) == 0
+    interpret = INTERPRET
+    if races:
+        gpu_interpret.reset_gpu_interpret_mode_state()
+        interpret = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+    out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, block_kv=block_kv, num_ctas=num_ctas,
+                         interpret=interpret)
     ref = ragged_prefill_ref(q, k_pool, v_pool, layer, cu, lens, tables, scale)
     assert_close(out, ref, seed)
     assert (np.asarray(out, np.float32)[sum(q_lens):] == 0).all()
+    assert not (races and gpu_interpret.get_races().races_found), "data race between warpgroups or TMA copies"
 
 
 def test_query_tiles_cover_every_row_once_last_tile_first():
