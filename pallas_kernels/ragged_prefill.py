@@ -86,9 +86,12 @@ def warpgroup_runs(heads, tile_tokens):
     runs = []
     for wg in range(CONSUMERS):
         lo, hi = wg * WG_ROWS, (wg + 1) * WG_ROWS
-        runs.append(tuple((h, max(lo, h * tile_tokens) - h * tile_tokens, min(hi, (h + 1) * tile_tokens) -
-                           h * tile_tokens, max(lo, h * tile_tokens) - lo)
-                          for h in range(heads) if max(lo, h * tile_tokens) < min(hi, (h + 1) * tile_tokens)))
+        wg_runs = []
+        for h in range(heads):
+            start, stop = max(lo, h * tile_tokens), min(hi, (h + 1) * tile_tokens)  # head h's rows in [lo, hi)
+            if start < stop:
+                wg_runs.append((h, start - h * tile_tokens, stop - h * tile_tokens, start - lo))
+        runs.append(tuple(wg_runs))
     return tuple(runs)
 
 
