@@ -2,7 +2,9 @@
 
 ``python -m pallas_kernels.bench --json out.json`` checks every implementation against the jnp reference
 (relative error <= 1e-2, bf16) and times it over a grid of decode shapes (effective KV bandwidth = KV bytes
-read / time, and TFLOP/s), then causal prefill of whole prompts (TFLOP/s, causal FLOPs counted exactly).
+read / time, and TFLOP/s), then causal prefill of whole prompts packed into one call (by default the two
+targets: one 8k prompt, and 64 prompts of 128-2048 tokens; TFLOP/s counting the causal work only), ending with
+a summary of each prefill implementation's TFLOP/s per case, as a share of the first case's and of cuDNN's.
 Timings chain ``reps`` calls inside one jitted loop (each call's output is the next call's query), so launch
 gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels, the Triton kernels (``triton``,
 and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Triton ``paged_attention``
@@ -13,8 +15,10 @@ engine's own compression benchmark (this package knows nothing of the engine).
 """
 
 import argparse
+import functools
 import json
 import math
+import os
 import time
 import traceback
 
@@ -24,9 +28,12 @@ import numpy as np
 
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
-from pallas_kernels.reference import gather_request_kv, paged_decode_ref, ragged_prefill_ref
+from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
+from pallas_kernels.reference import gather_request_kv, masked_attention, paged_decode_ref, ragged_prefill_ref
 
 MAX_REL_ERR = 1e-2
+# The prefill targets: one 8k prompt, and 64 prompts of 128-2048 tokens packed into one call.
+PREFILL_CASES = ["1x8192", "64x128-2048"]
 
 
 def rel_err(out, ref):
@@ -169,51 +176,153 @@ def record(row: dict, measure, verbose: bool) -> dict:
     return row
 
 
+def parse_prefill_case(spec: str) -> tuple[int, int, int]:
+    """``NxL``: N prompts of L tokens; ``NxA-B``: N prompts of lengths drawn uniformly from [A, B] (seeded)."""
+    try:
+        count, _, span = spec.partition("x")
+        low, _, high = span.partition("-")
+        case = int(count), int(low), int(high or low)
+    except ValueError:
+        case = None
+    if case is None or case[0] < 1 or not 1 <= case[1] <= case[2]:
+        raise ValueError(f"prefill case {spec!r}: expected NxL or NxA-B with 1 <= A <= B")
+    return case
+
+
+def prefill_lengths(spec: str) -> np.ndarray:
+    count, low, high = parse_prefill_case(spec)
+    return np.random.default_rng(0).integers(low, high + 1, size=count).astype(np.int32)
+
+
+def causal_flops(lengths, num_q_heads, head_dim) -> int:
+    """The causal work only: query i of a prompt attends to i + 1 keys (two matmuls of 2 FLOPs a multiply-add)."""
+    return sum(4 * num_q_heads * head_dim * int(n) * (int(n) + 1) // 2 for n in lengths)
+
+
+def dense_causal_ref(q_pad, k_dense, v_dense, lengths, scale):
+    """The reference's masked softmax, one prompt at a time over the padded layout ``[R, L, H, D]`` (the oracle of
+    cases too big for ``ragged_prefill_ref``'s ``O(T x K)`` scratch)."""
+    num_kv_heads, head_dim = k_dense.shape[2], k_dense.shape[3]
+    slots = jnp.arange(q_pad.shape[1])
+
+    def one(args):
+        q, k, v, n = args
+        qg = q.reshape(q.shape[0], num_kv_heads, -1, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, L, D]
+        mask = (slots[None, :] <= slots[:, None]) & (slots[None, :] < n)
+        out = masked_attention(qg, k.swapaxes(0, 1), v.swapaxes(0, 1), mask, scale)
+        return out.transpose(2, 0, 1, 3).reshape(q.shape).astype(q.dtype)
+
+    return jax.lax.map(one, (q_pad, k_dense, v_dense, lengths))
+
+
+def prefill_variants(specs) -> dict:
+    """``block_kv:stages`` specs -> name -> keyword arguments of ``ragged_prefill``."""
+    variants = {"mosaic": {}}
+    for spec in specs:
+        block_kv, stages = (int(x) for x in spec.split(":"))
+        variants[f"mosaic_b{block_kv}_s{stages}"] = dict(block_kv=block_kv, num_stages=stages)
+    return variants
+
+
 def bench_prefill(args):
-    """Causal prefill of ``--prefill-requests`` whole prompts of each ``--prefill-ctx`` length (no cached prefix)."""
+    """Causal prefill of whole prompts packed into one call, for each ``--prefill-cases`` spec (no cached prefix):
+    the FlashAttention-3-structured kernel (and its variants), the previous per-query-head kernel, Triton, cuDNN
+    over dense padded copies (told each prompt's length) and, for one prompt, the XLA reference."""
     num_q_heads, num_kv_heads, head_dim, layer = args.q_heads, args.kv_heads, args.head_dim, 1
-    scale, page_size, num_requests = head_dim ** -0.5, args.prefill_page, args.prefill_requests
+    scale, page_size = head_dim ** -0.5, args.prefill_page
     rows = []
-    for ctx in args.prefill_ctx:
-        key = jax.random.key(ctx)
-        _, k_pool, v_pool, tables = make_case(key, num_requests, ctx, page_size, num_q_heads, num_kv_heads, head_dim)
-        q = jax.random.normal(jax.random.fold_in(key, 1), (num_requests * ctx, num_q_heads, head_dim), jnp.bfloat16)
-        lens = jnp.full((num_requests,), ctx, jnp.int32)
-        cu = jnp.arange(num_requests + 1, dtype=jnp.int32) * ctx
+    for spec in args.prefill_cases:
+        lengths = prefill_lengths(spec)
+        num_requests, num_tokens = len(lengths), int(lengths.sum())
+        pages = -(-lengths // page_size)
+        width = int(pages.max())
+        key = jax.random.key(num_tokens)
+        k_key, v_key, q_key, perm_key = jax.random.split(key, 4)
+        shape = (2, int(pages.sum()) + 1, num_kv_heads, page_size, head_dim)
+        k_pool = jax.random.normal(k_key, shape, jnp.bfloat16)
+        v_pool = jax.random.normal(v_key, shape, jnp.bfloat16)
+        ids = np.asarray(jax.random.permutation(perm_key, int(pages.sum())) + 1)
+        tables = np.zeros((num_requests, width), np.int32)
+        tables[np.arange(width) < pages[:, None]] = ids  # each prompt's pages, shuffled; the rest: page 0
+        tables = jnp.asarray(tables)
+        q = jax.random.normal(q_key, (num_tokens, num_q_heads, head_dim), jnp.bfloat16)
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        lens = jnp.asarray(lengths)
+        # The padded layout cuDNN and the oracle read: [R, width * S, H, D], prompt r in rows [0, lengths[r]).
+        owner = np.repeat(np.arange(num_requests), lengths)
+        local = np.arange(num_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        q_pad = jnp.zeros((num_requests, width * page_size, num_q_heads, head_dim), q.dtype).at[owner, local].set(q)
         state = dict(k=k_pool, v=v_pool, tables=tables, lens=lens, cu=cu,
                      k_dense=jnp.swapaxes(gather_request_kv(k_pool, layer, tables), 1, 2),
                      v_dense=jnp.swapaxes(gather_request_kv(v_pool, layer, tables), 1, 2))
-        flops = 4 * num_q_heads * head_dim * num_requests * ctx * (ctx + 1) // 2
-        impls = {
-            "mosaic": lambda q, st: ragged_prefill(q, st["k"], st["v"], layer, st["cu"], st["lens"], st["tables"],
-                                                   scale),
-            **{name: (lambda cc: lambda q, st: triton_kernel("triton_prefill", "ragged_prefill")(
-                q, st["k"], st["v"], layer, st["cu"], st["lens"], st["tables"], scale, compute_capability=cc))(cc)
-               for name, cc in TRITON_TARGETS.items()},
-            "xla_ref": lambda q, st: ragged_prefill_ref(q, st["k"], st["v"], layer, st["cu"], st["lens"],
-                                                        st["tables"], scale),
-            "cudnn_dense": lambda q, st: jax.nn.dot_product_attention(
-                q.reshape(num_requests, ctx, num_q_heads, head_dim), st["k_dense"], st["v_dense"], scale=scale,
-                is_causal=True, implementation="cudnn").reshape(q.shape),
-        }
-        ref = jax.jit(impls["xla_ref"])(q, state)
-        for name, fn in impls.items():
-            row = dict(kernel="prefill", impl=name, batch=num_requests, ctx=ctx, page=page_size,
-                       q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim)
+        flops = causal_flops(lengths, num_q_heads, head_dim)
 
-            def measure(row, name=name, fn=fn):
-                row["rel_err"] = rel_err(jax.jit(fn)(q, state), ref)
-                sec = time_chain(fn, q, state, 2 if name == "xla_ref" else args.reps // 4 or 1)
+        def packed(fn):
+            return lambda q, st: fn(q, st["k"], st["v"], layer, st["cu"], st["lens"], st["tables"], scale)
+
+        impls = {name: (packed(functools.partial(ragged_prefill, **kw)), q)
+                 for name, kw in prefill_variants(args.prefill_variants).items()}
+        impls["mosaic_per_head"] = (packed(ragged_prefill_per_head), q)
+        for name, cc in TRITON_TARGETS.items():
+            impls[name] = (packed(lambda *a, cc=cc: triton_kernel("triton_prefill", "ragged_prefill")(
+                *a, compute_capability=cc)), q)
+        if num_requests == 1:
+            impls["xla_ref"] = (packed(ragged_prefill_ref), q)
+        impls["cudnn_dense"] = (lambda q, st: jax.nn.dot_product_attention(
+            q, st["k_dense"], st["v_dense"], scale=scale, is_causal=True, query_seq_lengths=st["lens"],
+            key_value_seq_lengths=st["lens"], implementation="cudnn"), q_pad)
+        ref = jax.jit(dense_causal_ref)(q_pad, state["k_dense"], state["v_dense"], lens, scale)[owner, local]
+        for name, (fn, x) in impls.items():
+            row = dict(kernel="prefill", impl=name, case=spec, batch=num_requests, ctx=int(lengths.max()),
+                       tokens=num_tokens, page=page_size, q_heads=num_q_heads, kv_heads=num_kv_heads,
+                       head_dim=head_dim)
+
+            def measure(row, name=name, fn=fn, x=x):
+                out = jax.jit(fn)(x, state)
+                row["rel_err"] = rel_err(out[owner, local] if x is q_pad else out, ref)
+                sec = time_chain(fn, x, state, 2 if name == "xla_ref" else args.reps // 4 or 1)
                 row.update(ms=sec * 1e3, tb_s=0.0, tflop_s=flops / sec / 1e12, ok=row["rel_err"] <= MAX_REL_ERR)
 
             rows.append(record(row, measure, args.verbose))
-        del q, k_pool, v_pool, tables, state, ref
+        if args.prefill_profile:  # one more call of the default kernel, its Mosaic GPU profiler trace on disk
+            path = os.path.join(args.prefill_profile, spec)
+            os.makedirs(path, exist_ok=True)
+            profiled = packed(functools.partial(ragged_prefill, profile_dir=path))
+            record(dict(kernel="prefill", impl="mosaic_profile", case=spec, trace_dir=path),
+                   lambda row: jax.block_until_ready(profiled(q, state)), args.verbose)
+        del q, q_pad, k_pool, v_pool, tables, state, ref
     return rows
+
+
+def prefill_summary(rows) -> list[str]:
+    """Per implementation, each case's TFLOP/s and its share of the first case's (the ragged-vs-one-prompt target),
+    and its share of cuDNN's in the same case."""
+    by_case = {}
+    for r in rows:
+        if r["kernel"] == "prefill" and "tflop_s" in r:
+            by_case.setdefault(r["case"], {})[r["impl"]] = r["tflop_s"]
+    if not by_case:
+        return []
+    first = next(iter(by_case))
+    lines = []
+    for impl in dict.fromkeys(i for case in by_case.values() for i in case):
+        parts = []
+        for case, tflops in by_case.items():
+            if impl not in tflops:
+                continue
+            part = f"{case} {tflops[impl]:.1f}"
+            if case != first and impl in by_case[first]:
+                part += f" ({tflops[impl] / by_case[first][impl]:.0%} of {first})"
+            if "cudnn_dense" in tflops and impl != "cudnn_dense":
+                part += f" [{tflops[impl] / tflops['cudnn_dense']:.0%} of cudnn]"
+            parts.append(part)
+        lines.append(f"prefill TFLOP/s {impl:24} " + "; ".join(parts))
+    return lines
 
 
 def print_table(rows):
     header = (f"{'kernel':7} {'impl':26} {'B':>4} {'ctx':>5} {'S':>4} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>8} "
-              f"{'rel_err':>8} ok")
+              f"{'rel_err':>8} ok")  # prefill: B prompts of up to ctx tokens
     print(header)
     for r in rows:
         if "error" in r:
@@ -236,9 +345,14 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
                         help="extra decode configs block_kv:stages:splits (splits 0 = automatic), comma separated")
-    parser.add_argument("--prefill-ctx", type=lambda s: ints(s) if s else [], default=[8192],
-                        help="prompt lengths of the causal prefill rows (empty: no prefill rows)")
-    parser.add_argument("--prefill-requests", type=int, default=1)
+    parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
+                        help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
+                             "NxA-B (lengths uniform in [A, B], seeded)")
+    parser.add_argument("--prefill-variants", type=lambda s: s.split(",") if s else [], default=[],
+                        help="extra configs of the prefill kernel block_kv:stages, comma separated")
+    parser.add_argument("--prefill-profile", metavar="DIR",
+                        help="also write a Mosaic GPU profiler trace of the prefill kernel per case to DIR/CASE "
+                             "(every CTA's warpgroups: use small cases, e.g. --prefill-cases 1x2048)")
     parser.add_argument("--prefill-page", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds after which no new shape is started (the rows so far are still written)")
@@ -250,6 +364,8 @@ def main(argv=None):
     unknown = set(args.sections) - {"decode", "prefill"}
     if unknown:
         raise ValueError(f"sections: unknown {sorted(unknown)}")
+    for spec in args.prefill_cases:
+        parse_prefill_case(spec)
     print(f"devices: {jax.devices()}", flush=True)
     runs = dict(decode=bench_decode, prefill=bench_prefill)
     rows = []
@@ -257,6 +373,8 @@ def main(argv=None):
         rows += runs[section](args)
     write_rows(args.json, rows)
     print_table(rows)
+    for line in prefill_summary(rows):
+        print(line)
     return rows
 
 

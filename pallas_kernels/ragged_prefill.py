@@ -1,16 +1,27 @@
-"""Ragged paged prefill attention as a Mosaic GPU (Hopper) kernel.
+"""Ragged paged prefill attention as a Mosaic GPU (Hopper) kernel with the FlashAttention-3 structure.
 
-The packed query rows are cut into 64-row tiles, each serving one request (a request's chunk starts a new
-tile, at the 8-aligned row at or before its first row), so the grid is ``(Hq, cdiv(T + 7R, 64) + R)`` whatever
-the mix of chunk lengths. Each CTA runs the
-same paged flash loop as decode (``paged_decode.attend_pages``: TMA page loads from the page table, wgmma for
-``q @ k^T`` and ``p @ v``) with a causal mask: query ``i`` of request ``r`` sits at position
-``kv_lens[r] - q_len + i`` and sees the request's cached prefix plus the earlier rows of its own chunk. KV
-blocks past the tile's last query position are never loaded. Tiles are written whole to a tile-shaped buffer;
-one XLA gather puts the rows back in packed order and zeroes the padding rows.
+The work items are (query tile, KV head) pairs. An item's 128 rows stack the query heads of the KV head's GQA
+group (or a slab of them, see ``gqa_tiling``) head-major over ``tile_tokens`` consecutive tokens of one
+request, so every KV block it loads serves all of them. The kernel is persistent: one CTA per SM runs items
+``cta, cta + num_ctas, ...``. Three warpgroups: a producer issues the TMA loads of the KV blocks from the pages
+the page table names (``num_stages`` blocks in flight, running on into the next item; a block spanning several
+small pages is one copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the online
+softmax and ``p @ v`` on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax overlaps
+the other's matmuls; each loads the next item's queries while it writes the current one's output. Query ``i``
+of request ``r`` sits at position ``kv_lens[r] - q_len + i`` and sees the request's cached prefix plus the
+earlier rows of its own chunk: KV blocks wholly below the tile's first position run unmasked, the diagonal
+blocks masked, and blocks past the tile's last position are never loaded.
+
+Tiles are cut per request (many short prompts cost what one long one does, up to one partial tile each) and
+start on 8-aligned packed rows (the swizzled TMA box of the query tile needs it), so a request's first tile may
+begin up to 7 rows early. Each warpgroup writes its rows straight to their packed places: through an unswizzled
+staging buffer, as TMA boxes cut (in power-of-two row counts) to the rows that are the tile's own, so
+neighbouring requests' rows are never touched. The padding rows past ``cu_q_lens[R]`` are tiles with no KV:
+they write zeros. The tiles of each request run last-first, so the longest items start first.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +29,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_decode import TILE_ROWS, attend_pages, check_block_kv, swizzled
+from pallas_kernels.paged_decode import check_block_kv, swizzled
 
-_ROW_ALIGN = 8  # rows of one tile of the swizzled shared-memory layout
+ROW_ALIGN = 8  # rows of one tile of the swizzled shared-memory layout: query tiles start on multiples of it
+WG_ROWS = 64  # wgmma M: the rows of one consumer warpgroup
+CONSUMERS = 2  # consumer warpgroups per CTA (ping-pong)
+CTA_ROWS = CONSUMERS * WG_ROWS
+MIN_FILL = 112  # stack a whole GQA group when it fills at least this many of the CTA's 128 rows
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per CTA
+_LOG2E = math.log2(math.e)
 
 
 def _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables):
@@ -47,89 +64,372 @@ def _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables):
         raise ValueError(f"q and pools must share a 16-bit float dtype, got {q.dtype}, {k_pool.dtype}")
 
 
-def query_tiles(cu_q_lens, num_tokens):
-    """Static-size tiling of the packed rows into 64-row tiles, each inside one request's chunk.
+def gqa_tiling(group):
+    """``(heads_per_cta, tile_tokens)``: how many query heads of a GQA group of ``group`` one CTA stacks, over how
+    many tokens (a multiple of 8, heads x tokens <= 128 rows).
 
-    A tile starts on a packed row that is a multiple of 8 (the TMA box of the swizzled query tile needs it),
-    so a request's first tile begins ``cu_q_lens[r] % 8`` rows early; those rows (and rows past the chunk) are
-    computed but never read back. Returns ``(tile_request [N], tile_row0 [N], tile_start [R])`` with
-    ``N = cdiv(T + 7R, 64) + R``: ``tile_row0`` counts from the aligned start, unused tiles get one at or past their
-    request's ``shift + q_len`` (the kernel skips them).
+    The whole group when it fills at least ``MIN_FILL`` rows (groups 1, 2, 4, 8, 16 fill all 128; 3, 5, 7 fill
+    120 or 112), else the largest divisor of the group that does (group 6 stacks 3 heads of 40 tokens, group 12
+    4 heads of 32); a single head always fills 128 rows.
+    """
+    def rows(heads):
+        return heads * ROW_ALIGN * (CTA_ROWS // ROW_ALIGN // heads)
+
+    heads = max(h for h in range(1, min(group, CTA_ROWS // ROW_ALIGN) + 1) if group % h == 0 and rows(h) >= MIN_FILL)
+    return heads, rows(heads) // heads
+
+
+def warpgroup_runs(heads, tile_tokens):
+    """For each consumer warpgroup, the runs ``(head, first token, end token, first row)`` its 64 rows hold: CTA
+    row ``h * tile_tokens + t`` is token ``t`` of the CTA's head ``h``; rows past ``heads * tile_tokens`` are
+    padding (computed, never loaded nor stored). Every run is a multiple of 8 rows."""
+    runs = []
+    for wg in range(CONSUMERS):
+        lo, hi = wg * WG_ROWS, (wg + 1) * WG_ROWS
+        wg_runs = []
+        for h in range(heads):
+            start, stop = max(lo, h * tile_tokens), min(hi, (h + 1) * tile_tokens)  # head h's rows in [lo, hi)
+            if start < stop:
+                wg_runs.append((h, start - h * tile_tokens, stop - h * tile_tokens, start - lo))
+        runs.append(tuple(wg_runs))
+    return tuple(runs)
+
+
+def query_tiles(cu_q_lens, num_tokens, tile_tokens):
+    """Static-size tiling of the packed rows into ``tile_tokens``-token tiles, each inside one request's chunk.
+
+    The padding rows ``[cu_q_lens[R], num_tokens)`` are one more chunk, request ``R`` (no KV: its tiles write
+    zeros). A chunk's tiles start ``cu_q_lens[r] % 8`` rows before it, on an 8-aligned packed row, and run
+    last-first. Returns ``(tile_request [N], tile_row [N])``, the request and first packed row of each tile,
+    with ``N = cdiv(T + 7 (R + 1), tile_tokens) + R + 1``; unused tiles get request ``R`` and row ``T`` (no rows).
     """
     num_requests = cu_q_lens.shape[0] - 1
-    num_tiles = pl.cdiv(num_tokens + (_ROW_ALIGN - 1) * num_requests, TILE_ROWS) + num_requests
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    shifted_lens = jnp.where(q_lens > 0, q_lens + cu_q_lens[:-1] % _ROW_ALIGN, 0)
-    tiles_per_request = (shifted_lens + TILE_ROWS - 1) // TILE_ROWS
-    tile_end = jnp.cumsum(tiles_per_request)
-    tile_start = tile_end - tiles_per_request
+    num_tiles = pl.cdiv(num_tokens + (ROW_ALIGN - 1) * (num_requests + 1), tile_tokens) + num_requests + 1
+    starts = cu_q_lens
+    ends = jnp.append(cu_q_lens[1:], num_tokens)
+    shift = starts % ROW_ALIGN
+    tiles_per_chunk = jnp.where(ends > starts, (ends - starts + shift + tile_tokens - 1) // tile_tokens, 0)
+    tile_end = jnp.cumsum(tiles_per_chunk)
     tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_request = jnp.clip(jnp.searchsorted(tile_end, tiles, side="right"), 0, num_requests - 1).astype(jnp.int32)
-    tile_row0 = ((tiles - tile_start[tile_request]) * TILE_ROWS).astype(jnp.int32)
-    return tile_request, tile_row0, tile_start.astype(jnp.int32)
+    request = jnp.clip(jnp.searchsorted(tile_end, tiles, side="right"), 0, num_requests).astype(jnp.int32)
+    last_first = tile_end[request] - 1 - tiles  # the chunk's last tile first
+    row = starts[request] - shift[request] + last_first * tile_tokens
+    used = tiles < tile_end[-1]
+    return (jnp.where(used, request, num_requests).astype(jnp.int32),
+            jnp.where(used, row, num_tokens).astype(jnp.int32))
 
 
-def _prefill_kernel(layer_ref, cu_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row0_ref, q_ref, k_ref,
-                    v_ref, o_ref, q_smem, q_bar, *, group, num_tokens, **tile_params):
-    head = lax.axis_index("h")
-    tile = lax.axis_index("t")
-    request = tile_request_ref[tile]
-    row0 = tile_row0_ref[tile]
-    chunk_start = cu_ref[request]
-    shift = chunk_start % _ROW_ALIGN
-    q_len = cu_ref[request + 1] - chunk_start
-    kv_len = kv_lens_ref[request]
-    pos0 = kv_len - q_len - shift + row0  # position of the tile's first row
-    last_pos = lax.min(pos0 + TILE_ROWS - 1, kv_len - 1)
-    num_blocks = jnp.where(row0 < q_len + shift, pl.cdiv(last_pos + 1, tile_params["block_kv"]), 0)
-    first_row = lax.min(chunk_start - shift + row0, num_tokens - num_tokens % _ROW_ALIGN)
-    q_rows = pl.ds(pl.multiple_of(first_row, _ROW_ALIGN), TILE_ROWS)
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], q_smem, q_bar)
-    acc, _, l_i = attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer_ref[0],
-                               head // group, kv_len, 0, num_blocks, pos0, causal=True, **tile_params)
+def _issue_kv(ref, smem, barrier, page_tables_ref, request, layer, kv_head, block, last_live_page, *, block_kv,
+              page_size):
+    """TMA copies of KV block ``block`` of ``request`` (one copy per page it spans) into ``smem``."""
+    token0 = block * block_kv
+    if block_kv <= page_size:  # The block is a slice of one page.
+        page = page_tables_ref[request, token0 // page_size]
+        rows = pl.ds(token0 % page_size, block_kv)
+        plgpu.copy_gmem_to_smem(ref.at[layer, page, kv_head, rows], smem, barrier)
+        return
+    for j in range(block_kv // page_size):  # Pages past the live ones: the last live page again (masked).
+        page = page_tables_ref[request, lax.min(token0 // page_size + j, last_live_page)]
+        plgpu.copy_gmem_to_smem(ref.at[layer, page, kv_head], smem.at[pl.ds(j * page_size, page_size)], barrier)
 
-    def store(o_smem):
-        # Rows past the chunk (and whole unused tiles) hold junk; the gather after the kernel never reads them.
-        o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tile, :, head])
+
+class _Item:
+    """One work item of a CTA, a (query tile, head slab) pair, read off the tile tables: its request, rows,
+    positions and the KV blocks it runs (the scalars every warpgroup derives the same way)."""
+
+    def __init__(self, index, refs, *, num_slabs, slabs, heads, tile_tokens, block_kv):
+        layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref = refs
+        tile, slab = index // num_slabs, index % num_slabs  # the slabs of one tile run side by side
+        self.kv_head, self.head0 = slab // slabs, slab * heads
+        self.layer = layer_ref[0]
+        self.request = tile_request_ref[tile]
+        self.row0 = tile_row_ref[tile]  # packed row of the tile's token 0 (a multiple of 8)
+        chunk_start, chunk_end = bounds_ref[self.request], bounds_ref[self.request + 1]
+        self.kv_len = kv_lens_ref[self.request]
+        self.pos0 = self.kv_len - (chunk_end - chunk_start) + (self.row0 - chunk_start)  # token 0's position
+        self.first = jnp.clip(chunk_start - self.row0, 0, tile_tokens)  # the tile's own tokens: [first, end)
+        self.end = jnp.clip(chunk_end - self.row0, 0, tile_tokens)
+        last_pos = lax.min(self.pos0 + self.end - 1, self.kv_len - 1)
+        self.num_blocks = jnp.where(self.end > self.first, lax.max(last_pos + 1, 0) + block_kv - 1, 0) // block_kv
+        # Blocks wholly below every own token's position run unmasked.
+        self.unmasked = jnp.clip(lax.max(self.pos0 + self.first + 1, 0) // block_kv, 0, self.num_blocks)
+
+
+def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
+                    k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
+                    v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
+                    sm_scale, block_kv, num_stages, page_size, p_in_registers):
+    cta = lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    my_items = (num_items - cta + num_ctas - 1) // num_ctas  # items cta, cta + num_ctas, ...
+    runs = warpgroup_runs(heads, tile_tokens)
+    head_dim, dtype = q_smem.shape[-1], q_smem.dtype
+    refs = (layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref)
+
+    def item(k):
+        return _Item(cta + k * num_ctas, refs, num_slabs=num_slabs, slabs=slabs, heads=heads,
+                     tile_tokens=tile_tokens, block_kv=block_kv)
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    def load_q(it):
+        """This warpgroup's rows of the item's query tile, one TMA copy per run of rows (signals its q barrier)."""
+        for w in range(CONSUMERS):
+            @pl.when((wg == w) & (it.num_blocks > 0))
+            @jax.named_scope("load_q")  # the regions of the profiler trace (ragged_prefill's profile_dir)
+            def _():
+                for h, t0, t1, r in runs[w]:
+                    rows = pl.ds(pl.multiple_of(it.row0 + t0, ROW_ALIGN), t1 - t0)
+                    plgpu.copy_gmem_to_smem(q_ref.at[rows, it.head0 + h], q_smem.at[w, pl.ds(r, t1 - t0)],
+                                            q_bars[w])
+
+    def wait_q(it):
+        for w in range(CONSUMERS):
+            @pl.when((wg == w) & (it.num_blocks > 0))
+            def _():
+                plgpu.barrier_wait(q_bars[w])
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        my_q = q_smem.at[wg]
+
+        @pl.when(my_items > 0)
+        def _():
+            load_q(item(0))
+
+        def one_item(k, step0):  # step0: KV blocks this CTA ran before (its slots and barrier phases go on)
+            it = item(k)
+            wait_q(it)
+            m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(it.num_blocks > 0)
+            def _():
+                plgpu.barrier_wait(k_bars.at[lax.rem(step0, num_stages)])
+
+            pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts one phase behind: the ping-pong
+            # Row r is token (64 wg + r) % tile_tokens of its head.
+            rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+            row_pos = it.pos0 + lax.rem(rows + wg * WG_ROWS, tile_tokens)
+
+            def step(block, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step0 + block, num_stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
+                    schedule_barrier()  # the other warpgroup's p @ v runs while ours is in flight
+                    return acc_ref[...]
+
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                with jax.named_scope("softmax"):
+                    if masked:  # each row sees the slots up to its position
+                        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                        limit = lax.broadcast_in_dim(row_pos - block * block_kv, s.shape, [0])
+                        s = jnp.where(cols <= limit, s, -jnp.inf)
+                    scale = sm_scale * _LOG2E  # m_i and the exponents are in base 2, the scale folded into an FMA
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_arrive(schedule)  # softmax done
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_wait(schedule)  # the tensor cores are ours
+
+                def wait_next_k():
+                    @pl.when(block + 1 < it.num_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(step0 + block + 1, num_stages)])
+
+                with jax.named_scope("pv"):
+                    if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            wait_next_k()
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
+                        my_p = p_smem.at[wg]
+                        my_p[...] = p16
+                        plgpu.commit_smem()
+
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                            wait_next_k()
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            carry = lax.fori_loop(0, it.unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
+            acc, _, l_i = lax.fori_loop(it.unmasked, it.num_blocks, functools.partial(step, masked=True), carry)
+            pl.when(wg == 0)(schedule_barrier)
+
+            @pl.when(k + 1 < my_items)
+            def _():  # the query tile is free: the next item's loads run under this one's epilogue
+                load_q(item(k + 1))
+
+            @pl.when(it.end > it.first)
+            @jax.named_scope("store")
+            def _():
+                # The padding tiles' rows attend to nothing (acc = 0, l = 0): they become zeros.
+                inv_l = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the staging
+                o_stage.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+                plgpu.commit_smem()
+                for w in range(CONSUMERS):
+                    @pl.when(wg == w)
+                    def _():
+                        for h, t0, t1, r in runs[w]:
+                            _store_rows(o_stage.at[w], o_ref, h + it.head0, it.row0, t0, t1, r, it.first, it.end)
+
+            return step0 + it.num_blocks
+
+        lax.fori_loop(0, my_items, one_item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, plgpu.SMEM((TILE_ROWS, q_smem.shape[-1]), q_smem.dtype, transforms=swizzled()))
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def one_item(k, step0):
+            it = item(k)
+            issue = jax.named_scope("load_kv")(functools.partial(
+                _issue_kv, page_tables_ref=page_tables_ref, request=it.request, layer=it.layer,
+                kv_head=it.kv_head, last_live_page=lax.max(it.kv_len - 1, 0) // page_size, block_kv=block_kv,
+                page_size=page_size))
+
+            @pl.loop(0, it.num_blocks)
+            def _(block):
+                step = step0 + block
+                slot = lax.rem(step, num_stages)
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+                issue(k_ref, k_smem.at[slot], k_bars.at[slot], block=block)
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+                issue(v_ref, v_smem.at[slot], v_bars.at[slot], block=block)
+
+            return step0 + it.num_blocks
+
+        steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+
+        @pl.loop(lax.max(steps - num_stages, 0), steps)
+        def _(step):  # observe the last releases too, so every barrier phase is waited for
+            slot = lax.rem(step, num_stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "interpret"))
-def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=64,
-                   num_stages=2, interpret=False):
+def _store_rows(stage, o_ref, head, row0, t0, t1, stage_row0, first, end):
+    """TMA-store the tile's own tokens ``[first, end)`` of the run holding tokens ``[t0, t1)`` of ``head`` (staged
+    from row ``stage_row0``): the whole run at once, else in power-of-two row counts, so no other row is written."""
+    lo, hi = jnp.clip(first, t0, t1), jnp.clip(end, t0, t1)
+
+    def store(token, size):
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(stage_row0 + token - t0, size)],
+                                o_ref.at[pl.ds(row0 + token, size), head])
+
+    @pl.when((lo == t0) & (hi == t1))
+    def _whole():
+        store(t0, t1 - t0)
+
+    @pl.when(((lo > t0) | (hi < t1)) & (hi > lo))
+    def _pieces():
+        token, count = lo, hi - lo
+        size = 1 << ((t1 - t0).bit_length() - 1)
+        while size:
+            pl.when((count & size) != 0)(functools.partial(store, token, size))
+            token = token + (count & size)
+            size //= 2
+
+
+def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profile_space):
+    tiles = CONSUMERS * WG_ROWS * head_dim * 2  # query tiles and output staging
+    kv = 2 * num_stages * block_kv * head_dim
+    p = 0 if p_in_registers else CONSUMERS * WG_ROWS * block_kv
+    profile = (CONSUMERS + 1) * profile_space * 4 * 4  # a range: 2 events of 2 int32 entries, per warpgroup
+    return (tiles + kv + p) * itemsize + profile
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "interpret",
+                                             "profile_dir"))
+def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=128,
+                   num_stages=2, num_ctas=None, interpret=False, profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
-    ``ragged_prefill_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``ragged_prefill_ref``. ``num_ctas``: persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
+    ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
+    makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
+    qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
     _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     check_block_kv(block_kv, page_size, num_stages)
+    p_in_registers = not interpret  # interpret mode runs wgmma on shared-memory operands only
+    # Profiler ranges per warpgroup: 4 a KV block for the consumers (2 for the producer), and a few more.
+    profile_space = 4 * pl.cdiv(page_tables.shape[1] * page_size, block_kv) + 4 if profile_dir else 0
+    if _smem_bytes(head_dim, block_kv, num_stages, q.dtype.itemsize, p_in_registers, profile_space) > SMEM_BYTES:
+        raise ValueError(f"block_kv {block_kv} x num_stages {num_stages} needs more shared memory than a CTA has")
+    group = num_q_heads // num_kv_heads
+    heads, tile_tokens = gqa_tiling(group)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
-    tile_request, tile_row0, tile_start = query_tiles(cu_q_lens, num_tokens)
-    num_tiles = tile_request.shape[0]
-    # A whole number of 8-row tiles, plus one query tile of slack so the last tile's TMA box stays inside.
-    q_padded = jnp.pad(q, ((0, -num_tokens % _ROW_ALIGN + TILE_ROWS), (0, 0), (0, 0)))
+    tile_request, tile_row = query_tiles(cu_q_lens, num_tokens, tile_tokens)
+    # The swizzled query box needs a whole number of 8-row tiles (rows past T are zero-filled by the TMA unit;
+    # interpret mode has no such unit, so it gets them as padding).
+    pad = -num_tokens % ROW_ALIGN + (tile_tokens if interpret else 0)
+    q_padded = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
+    runs = warpgroup_runs(heads, tile_tokens)
+    num_slabs = num_q_heads // heads
+    num_items = tile_request.shape[0] * num_slabs
+    if num_ctas is None:
+        device = jax.devices()[0]
+        num_ctas = device.core_count if device.platform == "gpu" else 4
+    num_ctas = min(num_ctas, num_items)
     kernel = functools.partial(
-        _prefill_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
-        page_size=page_size, group=num_q_heads // num_kv_heads, num_tokens=num_tokens)
-    o_tiles = plgpu.kernel(
+        _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, num_slabs=num_slabs,
+        num_items=num_items, num_ctas=num_ctas, sm_scale=float(sm_scale), block_kv=block_kv,
+        num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
+    copies = max(block_kv // page_size, 1)
+    wg_tiles = (CONSUMERS, WG_ROWS, head_dim)
+    kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=swizzled())
+    scratch = dict(
+        q_smem=plgpu.SMEM(wg_tiles, q.dtype, transforms=swizzled()),
+        k_smem=kv_buf, v_smem=kv_buf,
+        o_stage=plgpu.SMEM(wg_tiles, q.dtype),  # unswizzled: a TMA box may start on any of its rows
+        q_bars=[plgpu.Barrier(num_arrivals=len(r)) for r in runs],
+        k_bars=plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        v_bars=plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        k_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        v_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        schedule=plgpu.Barrier(num_arrivals=CONSUMERS))
+    if not p_in_registers:
+        scratch["p_smem"] = plgpu.SMEM((CONSUMERS, WG_ROWS, block_kv), q.dtype, transforms=swizzled())
+    return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_tiles, TILE_ROWS, num_q_heads, head_dim), q.dtype),
-        grid=(num_q_heads, num_tiles),
-        grid_names=("h", "t"),
-        scratch_types=(plgpu.SMEM((TILE_ROWS, head_dim), q.dtype, transforms=swizzled()), plgpu.Barrier()),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True, profile_space=profile_space,
+                                             profile_dir=profile_dir or "", profile_bounds_check=bool(profile_dir)),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), cu_q_lens, kv_lens.astype(jnp.int32),
-      page_tables.astype(jnp.int32), tile_request, tile_row0, q_padded,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.append(cu_q_lens, num_tokens),
+      jnp.append(kv_lens.astype(jnp.int32), 0), page_tables.astype(jnp.int32), tile_request, tile_row, q_padded,
       k_pool, v_pool)
-
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(cu_q_lens, tokens, side="right") - 1, 0, cu_q_lens.shape[0] - 2)
-    local = tokens - cu_q_lens[owner] + cu_q_lens[owner] % _ROW_ALIGN
-    flat_row = (tile_start[owner] + local // TILE_ROWS) * TILE_ROWS + local % TILE_ROWS
-    out = o_tiles.reshape(num_tiles * TILE_ROWS, num_q_heads, head_dim)[flat_row]
-    return jnp.where((tokens < cu_q_lens[-1])[:, None, None], out, jnp.zeros((), q.dtype))

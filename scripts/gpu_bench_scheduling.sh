@@ -23,5 +23,5 @@ if [ -n "${KERNELS:-}" ]; then  # attention kernels incl. the Triton ones (jax-t
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:.
   timeout "${KERNEL_TIMEOUT:-90}" python3 -m pallas_kernels.bench --sections decode,prefill --ctx 4096 \
-    --batch 64,256 --page 64,256 --reps 10 --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30
+    --batch 64,256 --page 64,256 --prefill-cases 1x8192 --reps 10 --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30
 fi

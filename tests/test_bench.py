@@ -1,10 +1,12 @@
-"""CPU smoke test of the decode benchmark command (tiny shape): it runs, its byte accounting is right, and the
-engine loop it drives decodes what the dense oracle decodes."""
+"""CPU smoke tests of the engine benchmark commands (tiny shape): decode runs, its byte accounting is right and
+the engine loop it drives decodes what the dense oracle decodes; scheduling runs its variants; ttft's chunked
+prefill samples the dense oracle's first token."""
 
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from zipage_jax import bench
@@ -95,3 +97,23 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
     assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]
+
+
+def test_ttft_command_chunked_prefill_gives_the_dense_first_token(tmp_path):
+    """The TTFT benchmark's engine, prefilling in 16-token chunks (each after its cached prefix), samples the first
+    token the dense forward pass picks."""
+    prompt_len, trials = 40, 1
+    out = tmp_path / "ttft.json"
+    report, _ = bench.main(["ttft", "--model-shape", "tiny", "--prompt-len", str(prompt_len), "--backends",
+                            "reference", "--prefill-tokens", "16", "--trials", str(trials), "--page-size", "16",
+                            "--dtype", "float32", "--json", str(out)])
+    [row] = json.loads(out.read_text())["results"]
+    assert row == report["results"][0]
+    assert row["prefill_tokens"] == 16 and row["steps"] >= 3 and row["ttft_ms"] > 0
+    cfg = MODEL_SHAPES["tiny"]
+    params = weights.init_random_params(cfg, jax.random.key(0), jnp.float32)  # the benchmark's seed-0 weights
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, size=prompt_len) for _ in range(trials + 1)]
+    dense = jax.jit(lambda tokens: forward_dense(params, cfg, tokens))
+    expected = [int(jnp.argmax(dense(jnp.asarray([p], jnp.int32))[0, -1])) for p in prompts]
+    assert row["first_tokens"] == expected

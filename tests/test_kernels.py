@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode import merge_splits, paged_decode
-from pallas_kernels.ragged_prefill import query_tiles, ragged_prefill
+from pallas_kernels.ragged_prefill import gqa_tiling, query_tiles, ragged_prefill, warpgroup_runs
+from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from helpers import assert_close, shuffled_page_tables
 from seeds import fresh_seed, seeded_rng
@@ -99,18 +101,20 @@ def test_paged_decode_rejects_bad_input(bad):
 
 
 PREFILL_CASES = [
-    # group, head_dim, page_size, q_lens, kv_lens, padding rows
-    (4, 64, 16, [70, 0, 5], [90, 3, 5], 5),     # a 2-tile chunk behind a prefix; idle request; chunk at row 70
-    (1, 128, 64, [3, 64], [130, 64], 0),        # chunk on a long cached prefix; 64-row chunk at row 3 (2 tiles)
-    (8, 64, 128, [40, 1], [40, 200], 3),        # no prefix; single-token chunk (decode-like) at position 199
+    # group, head_dim, page_size, block_kv, CTAs, q_lens, kv_lens, padding rows; the race detector on the first
+    (4, 64, 16, 64, 2, [70, 0, 5], [90, 3, 5], 5),   # chunk behind a prefix; idle request; chunk at unaligned row 70
+    (1, 128, 64, 64, 1, [3, 70], [130, 70], 0),      # one head: a 128-token tile split across the warpgroups
+    (8, 64, 128, 64, 3, [40, 1], [40, 200], 3),      # block inside a page; single-token chunk at position 199
+    (5, 64, 32, 128, 4, [30, 17], [30, 60], 2),      # odd group: 5 heads x 24 tokens; a block spans 4 pages
 ]
 
 
-@pytest.mark.parametrize("group,head_dim,page_size,q_lens,kv_lens,padding", PREFILL_CASES)
-def test_ragged_prefill_matches_reference(group, head_dim, page_size, q_lens, kv_lens, padding):
+@pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_ctas,q_lens,kv_lens,padding", PREFILL_CASES)
+def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding):
+    """Each persistent CTA runs several (tile, head slab) items, its KV pipeline going on across them."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    num_kv_heads, layer = 1, 0
+    num_kv_heads, layer = 1, 1
     pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
     num_pages = len(kv_lens) * pages_per_row + 2
     k_pool, v_pool = random_pool(rng, 2, num_pages, num_kv_heads, page_size, head_dim)
@@ -120,23 +124,47 @@ def test_ragged_prefill_matches_reference(group, head_dim, page_size, q_lens, kv
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     lens = jnp.asarray(kv_lens, jnp.int32)
     scale = head_dim ** -0.5
-    out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, interpret=INTERPRET)
+    races = PREFILL_CASES.index((group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding)) == 0
+    interpret = INTERPRET
+    if races:
+        gpu_interpret.reset_gpu_interpret_mode_state()
+        interpret = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+    out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, block_kv=block_kv, num_ctas=num_ctas,
+                         interpret=interpret)
     ref = ragged_prefill_ref(q, k_pool, v_pool, layer, cu, lens, tables, scale)
     assert_close(out, ref, seed)
     assert (np.asarray(out, np.float32)[sum(q_lens):] == 0).all()
+    assert not (races and gpu_interpret.get_races().races_found), "data race between warpgroups or TMA copies"
 
 
-def test_query_tiles_cover_every_row_once_from_aligned_starts():
+def test_query_tiles_cover_every_row_once_last_tile_first():
     q_lens = np.array([70, 0, 5, 128, 1, 63])
+    num_tokens, tile_tokens = int(q_lens.sum()) + 7, 32
     cu_np = np.concatenate([[0], np.cumsum(q_lens)])
-    tile_request, tile_row0, _ = map(np.asarray, query_tiles(jnp.asarray(cu_np, jnp.int32), int(q_lens.sum()) + 7))
+    bounds = np.append(cu_np, num_tokens)  # the padding rows are one more chunk
+    tile_request, tile_row = map(np.asarray, query_tiles(jnp.asarray(cu_np, jnp.int32), num_tokens, tile_tokens))
     covered = []
-    for r, row0 in zip(tile_request, tile_row0):
-        shift = cu_np[r] % 8
-        if row0 < q_lens[r] + shift:  # a used tile starts on an 8-aligned packed row
-            assert (cu_np[r] - shift + row0) % 8 == 0
-        covered += [(r, row - shift) for row in range(row0, row0 + 64) if 0 <= row - shift < q_lens[r]]
-    assert sorted(covered) == [(r, row) for r in range(len(q_lens)) for row in range(q_lens[r])]
+    for r, row in zip(tile_request, tile_row):
+        own = range(max(row, bounds[r]), min(row + tile_tokens, bounds[r + 1]))
+        if own:
+            assert row % 8 == 0 and row > bounds[r] - 8
+        covered += list(own)
+    assert sorted(covered) == list(range(num_tokens))
+    for r in range(len(q_lens) + 1):  # a chunk's tiles run last-first
+        rows = tile_row[(tile_request == r) & (tile_row < num_tokens)]
+        assert (np.diff(rows) < 0).all()
+
+
+@pytest.mark.parametrize("group", range(1, 33))
+def test_gqa_tiling_stacks_heads_in_runs_of_whole_row_tiles(group):
+    heads, tile_tokens = gqa_tiling(group)
+    assert group % heads == 0 and tile_tokens % 8 == 0 and 112 <= heads * tile_tokens <= 128
+    rows = []
+    for wg, runs in enumerate(warpgroup_runs(heads, tile_tokens)):
+        for head, t0, t1, row in runs:
+            assert t0 % 8 == 0 and t1 % 8 == 0 and row % 8 == 0
+            rows += [(head, t, wg * 64 + row + t - t0) for t in range(t0, t1)]
+    assert sorted(rows) == [(h, t, h * tile_tokens + t) for h in range(heads) for t in range(tile_tokens)]
 
 
 @pytest.mark.parametrize("bad", ["cu_q_lens", "page_tables", "head dim"])
@@ -160,8 +188,10 @@ LOWERING_CASES = [
     ("decode", 4, 128, 16, 128),
     ("decode", 8, 64, 256, 64),
     ("decode", 1, 64, 64, 64),
-    ("prefill", 4, 128, 128, 64),
+    ("prefill", 4, 128, 128, 128),
     ("prefill", 1, 64, 32, 128),
+    ("prefill", 5, 128, 256, 64),
+    ("prefill_per_head", 4, 128, 128, 64),  # the previous kernel, the benchmarks' baseline
 ]
 
 
@@ -175,7 +205,8 @@ def test_kernels_lower_for_hopper(kernel, group, head_dim, page_size, block_kv):
         args = (jax.ShapeDtypeStruct((4, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(kv_lens=i32(4), page_tables=i32(4, 8))
     else:
-        fn = functools.partial(ragged_prefill, layer=1, sm_scale=0.1, block_kv=block_kv)
+        kernel_fn = ragged_prefill if kernel == "prefill" else ragged_prefill_per_head
+        fn = functools.partial(kernel_fn, layer=1, sm_scale=0.1, block_kv=block_kv)
         args = (jax.ShapeDtypeStruct((100, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(cu_q_lens=i32(3), kv_lens=i32(2), page_tables=i32(2, 8))
     lowered = jax.jit(lambda *a, **kw: fn(*a, **kw)).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))

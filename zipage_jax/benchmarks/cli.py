@@ -20,6 +20,8 @@ OWN_COMMAND_LINE = {
     "compression": ("zipage_jax.benchmarks.compression", "one compression of a batch of requests against a decode "
                                                          "step: the kernels, the jnp references, scratch memory"),
     "sweep": ("zipage_jax.benchmarks.sweep", "accuracy over a grid of KV budgets x scoring configurations"),
+    "ttft": ("zipage_jax.benchmarks.ttft", "time to first token of one long prompt per attention backend (the "
+                                           "prefill kernel before/after)"),
 }
 
 
