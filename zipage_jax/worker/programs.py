@@ -32,6 +32,7 @@ class Programs:
         self.progress = progress or (lambda done, total, name, seconds: None)  # after each compile
         self._compiled: dict = {}
         self.compile_wall_s = 0.0  # wall time spent compiling, warm-up and first uses together
+        self.call_s = 0.0  # wall time inside compiled calls: their dispatch, and any wait the runtime imposes there
 
     def compiled(self, key):
         return self._compiled[key]
@@ -46,7 +47,10 @@ class Programs:
         if compiled is None:
             self.compile_all([program])
             compiled = self._compiled[program.key]
-        return compiled(*args)
+        start = time.perf_counter()
+        out = compiled(*args)
+        self.call_s += time.perf_counter() - start
+        return out
 
     def compile_all(self, programs: list[Program], progress=None):
         """Compile the programs not compiled yet, in parallel, calling ``progress`` (default: the one given at
