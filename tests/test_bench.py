@@ -97,3 +97,39 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
     assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]
+
+
+def documented_bench_commands():
+    """Every ``python -m zipage_jax.bench ...`` command in README.md, BENCHMARKS.md and scripts/*.sh, as argv (shell
+    variables become their default, a loop's value or 1; commands built from shell arrays or elided with ... skipped)."""
+    import pathlib
+    import re
+    import shlex
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commands = []
+    for path in [root / "README.md", root / "BENCHMARKS.md", *sorted((root / "scripts").glob("*.sh"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for match in re.finditer(r"-m zipage_jax\.bench ((?:(?!\s\d?>)[^\n`|;&)#])*)", text):  # up to 2>&1 ...
+            line = match.group(1)
+            if "[@]" in line or "..." in line or len(line.split()) < 2:  # arrays, elisions, names in prose
+                continue
+            line = re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", line)
+            line = re.sub(r"\$\{?(\w+)\}?", lambda m: {"mode": "full"}.get(m.group(1), "1"), line)
+            commands.append((path.name, shlex.split(line)))
+    return commands
+
+
+def test_documented_bench_commands_parse():
+    from zipage_jax.benchmarks import cli, sweep
+
+    commands = documented_bench_commands()
+    assert {argv[0] for _, argv in commands} >= {"decode", "scheduling", "throughput", "serving", "startup", "sweep"}
+    for where, argv in commands:
+        if argv[0] == "compression":
+            continue  # its own kernel-level command line (tests/test_compression_bench.py)
+        parser = sweep.build_parser()[0] if argv[0] == "sweep" else cli.build_parser()
+        try:
+            parser.parse_args(argv[1:] if argv[0] == "sweep" else argv)
+        except SystemExit:
+            raise AssertionError(f"{where}: python -m zipage_jax.bench {' '.join(argv)}") from None
