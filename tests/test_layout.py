@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from waiting import HANG_S
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zipage_jax"
 
@@ -128,7 +130,7 @@ def test_help_does_not_load_jax(entry):
             "except SystemExit:\n"
             "    pass\n"
             "print('LOADED' if 'jax' in sys.modules else 'NOT LOADED', file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert "--help" in proc.stdout or "usage" in proc.stdout, proc.stderr
     assert proc.stderr.strip().endswith("NOT LOADED"), proc.stderr
 
@@ -138,7 +140,7 @@ def test_public_names_load_lazily():
             "before = 'jax' in sys.modules\n"
             "from zipage_jax import LLM, SamplingParams, EngineConfig, LLMEngine, RequestOutput, CompletionOutput\n"
             "print(before, 'jax' in sys.modules, LLM.__module__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert proc.stdout.split() == ["False", "True", "zipage_jax.engine.llm"], proc.stderr
 
 
