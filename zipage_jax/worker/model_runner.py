@@ -244,6 +244,8 @@ class ModelRunner:
         device are known on the host by now (read back with it) and are fed as such, so the replay rewrites what
         the step wrote (its KV slots; its token-buffer rows, the same tokens unless penalties apply); valid until
         the next step changes pages or rows."""
+        if self._last_decode is None:
+            raise RuntimeError("replay_last_decode: no decode step was dispatched yet")
         inputs, requests, rows = self._last_decode
         batch = inputs["batch"]
         tokens = np.array(batch.tokens)
