@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--profile", action="store_true",
                         help="trace the device step and record where its time goes (per kernel and category)")
     decode.add_argument("--json", help="write the report here")
-    decode.set_defaults(engine_fields=add_engine_options(decode, exclude=decode_bench.SIZED,
+    decode.set_defaults(engine_fields=add_engine_options(decode, exclude=decode_bench.SIZED + decode_bench.UNUSED,
                                                          defaults=decode_bench.DEFAULTS))
     scheduling.add_arguments(sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs "
                                                                 "sync compression, reserved vs hybrid vs constrained "

@@ -36,7 +36,7 @@ from zipage_jax.benchmarks.model_shapes import (
     weight_bytes_per_step,
 )
 from zipage_jax.benchmarks.profiling import kernel_breakdown
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import SCORING_FIELDS, EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine, resolve_dtype
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
@@ -46,6 +46,9 @@ from zipage_jax.sampling_params import SamplingParams
 SIZED = ("max_model_len", "max_num_seqs", "num_gpu_pages_override", "kv_cache_memory_bytes",
          "gpu_memory_utilization", "enable_prefix_caching", "compression")
 DEFAULTS = dict(max_num_batched_tokens=8192, max_num_prefill_seqs=8, compilation_cache_dir=None)
+# options with nothing to act on here (random weights without a tokenizer, full KV): left off the command line
+UNUSED = ("tokenizer", "kv_budget_pages", *SCORING_FIELDS, "num_query_rows", "admission", "async_compression",
+          "max_compression_pages", "compression_min_batch", "compression_max_wait_steps")
 
 
 def replay_seconds(engine: LLMEngine, n: int) -> float:

@@ -140,7 +140,7 @@ def add_arguments(parser):
     parser.add_argument("--no-warmup", action="store_true", help="compile on first use (smoke runs)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--png", help="write the metrics plot here")
-    parser.set_defaults(engine_fields=add_engine_options(parser, exclude=SIZED, defaults=DEFAULTS))
+    parser.set_defaults(engine_fields=add_engine_options(parser, exclude=SIZED + ("tokenizer",), defaults=DEFAULTS))
 
 
 def main(args):
