@@ -55,7 +55,7 @@ def test_math_verify_is_safe_outside_the_main_thread():
     verdicts = []
     worker = threading.Thread(target=lambda: verdicts.append(math_verify_match(r"\boxed{2/4}", "1/2")))
     worker.start()
-    worker.join()
+    worker.join(HANG_S)
     assert verdicts == [True]
 
 
