@@ -14,7 +14,8 @@ while [ $# -ge 2 ]; do
   shift 2
 done
 timeout "${SCHED_TIMEOUT:-230}" python3 -m zipage_jax.bench scheduling --model-shape qwen3-0.6b --requests 96 \
-  --prompt-len 256 --output-len 1280 --kv-budget-pages 8 --page-size 64 --num-pages 520 --attention-backend auto \
+  --prompt-len 256 --output-len 1280 --kv-budget-pages 8 --page-size 64 --num-gpu-pages-override 520 \
+  --attention-backend auto \
   --compilation-cache-dir /tmp/xla-cache --json "$OUT/scheduling.json" --png "$OUT/scheduling.png" 2>&1 \
   | grep -v "^ " | tee "$OUT/scheduling.log" | tail -12
 timeout "${COMP_TIMEOUT:-100}" python3 -m zipage_jax.bench compression --comp-batch 64,256 \

@@ -53,7 +53,7 @@ if has throughput; then
   for mode in ${MODES:-full compressed}; do
     timeout 580 python3 -m zipage_jax.bench throughput --workload reasoning --model "$model" --modes "$mode" \
       --tensor-parallel-size 2 --requests 256 --page-size 128 --kv-budget-pages 4 --max-model-len 8192 \
-      --kv-cache-gb 12 --duration 40 --sample-interval-s 1 --json "$OUT/throughput_32b_tp2_$mode.json" \
+      --kv-cache-memory-bytes 12000000000 --duration 40 --sample-interval-s 1 --json "$OUT/throughput_32b_tp2_$mode.json" \
       --png "$OUT/throughput_32b_tp2_$mode.png" 2>&1 | grep -v Warning | tee "$OUT/throughput_32b_tp2_$mode.log" | tail -8
   done
 fi

@@ -8,7 +8,7 @@
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 common=(--model-shape qwen3-8b --requests 256 --max-model-len 8192 --sample-interval-s 1)
-small=(--page-size 128 --kv-budget-pages 4 --kv-cache-gb 12)
+small=(--page-size 128 --kv-budget-pages 4 --kv-cache-memory-bytes 12000000000)
 run() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m zipage_jax.bench throughput "${common[@]}" "$@" --json "$OUT/$name.json" \

@@ -1,30 +1,43 @@
-"""Test-session setup: four simulated CPU devices so tensor-parallel paths run on CPU (must precede jax import)."""
+"""Test-session setup: four simulated CPU devices so tensor-parallel paths run on CPU (must precede jax import);
+the seeds of random inputs and Hypothesis's profiles (tests/seeds.py: fixed in CI, `--seed random` explores)."""
 
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 import seeds  # noqa: E402
 
+# CI: the same examples on every run (derived from each test), nothing remembered between runs, no deadline (a
+# loaded 2-core machine is slow at random); explore: fresh examples every run
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True)
+
 
 def pytest_addoption(parser):
-    parser.addoption("--seed", type=int, default=None, help="replay a failure: every fresh seed is this one")
+    parser.addoption("--seed", type=seeds.parse_mode, default="fixed",
+                     help="seeds of random inputs: fixed (default, CI), random (explore new ones) or N (replay a "
+                          "failure: every seed is N); Hypothesis is derandomized unless random")
 
 
 def pytest_configure(config):
-    seeds.pinned = config.getoption("--seed")
+    seeds.mode = config.getoption("--seed")
+    settings.load_profile("explore" if seeds.mode == "random" else "ci")
 
 
-@pytest.fixture(autouse=True)
-def _reset_seeds():
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    seeds.test_id = item.nodeid
     seeds.used.clear()
+    return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed and seeds.used:
-        report.sections.append(("seeds", f"seeds used: {seeds.used}; replay one with --seed N"))
+        how = {"fixed": "a rerun draws the same", "random": "rerun with --seed N to make every draw N"}
+        report.sections.append(("seeds", f"seeds used: {seeds.used} ({how.get(seeds.mode, '--seed')})"))
     return report

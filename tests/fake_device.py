@@ -169,10 +169,11 @@ class FakeDevice:
 
     def check_state(self):
         s = self.s
-        self.bm.check_invariants(list(s.running) + list(s.waiting) + list(s.swapped))
-        tokens = [r.token_row for r in s.running]
-        assert None not in tokens and len(set(tokens)) == len(tokens)
-        holders = [r for r in s.running if r.query_row is not None]
+        self.bm.check_invariants(list(s.running) + list(s.waiting) + list(s.swapped) + list(s.parked))
+        tokens = [r.token_row for r in s.running + s.parked]  # a parked request keeps its row
+        assert None not in tokens and len(set(tokens)) == len(tokens) <= s.max_num_seqs
+        assert all(r.status == RequestStatus.PARKED for r in s.parked)
+        holders = [r for r in s.running + s.parked if r.query_row is not None]
         assert len({r.query_row for r in holders}) == len(holders), "a query row held twice"
         assert len(holders) + len(s.free_query_rows) == s.num_query_rows
         assert all(r.query_row is None for r in list(s.waiting) + s.swapped)

@@ -17,13 +17,13 @@ from zipage_jax.models import forward_dense
 
 CTX, STEPS, WARMUP = 20, 3, 3
 ARGS = ["decode", "--model-shape", "tiny", "--batch", "1", "3", "--ctx", str(CTX), "--steps", str(STEPS),
-        "--warmup-steps", str(WARMUP), "--page-size", "16", "--dtype", "float32", "--prefill-tokens", "32",
-        "--prefill-seqs", "2"]
+        "--warmup-steps", str(WARMUP), "--page-size", "16", "--dtype", "float32", "--max-num-batched-tokens", "32",
+        "--max-num-prefill-seqs", "2"]  # the engine's own options
 
 
 def test_decode_command_report_and_tokens(tmp_path):
     out = tmp_path / "decode.json"
-    _, engine = bench.main(ARGS + ["--profile", "--json", str(out)])
+    _, outputs = bench.main(ARGS + ["--profile", "--json", str(out)])
     report = json.loads(out.read_text())
     cfg = MODEL_SHAPES["tiny"]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -42,15 +42,17 @@ def test_decode_command_report_and_tokens(tmp_path):
     hlo = report["hlo"]
     assert hlo["pool_shape"] == f"f32[2,{report['config']['num_pages']},2,16,16]"
     assert sum(hlo["ops_producing_pool_shape"].values()) > 0 and hlo["pool_copies"] == 0  # donated: in place
-    # the last batch's requests hold greedy tokens: 1 from prefill + warm-up + measured steps
+    # the last batch's requests end with greedy tokens: 1 from prefill + warm-up + measured steps, decoded over
+    # prompts whose pages came from the prefix cache (all but the last page) and a replayed last step
     new = 1 + WARMUP + STEPS
     params = weights.init_random_params(cfg, jax.random.key(0), jnp.float32)  # the benchmark's seed-0 weights
-    dense = jax.jit(lambda tokens: forward_dense(params, engine.model_cfg, tokens))
-    for request in engine.scheduler.running:
-        ids = list(request.prompt_token_ids) + [0] * new  # causal: the padding never affects earlier positions
+    dense = jax.jit(lambda tokens: forward_dense(params, cfg, tokens))
+    assert len(outputs) == 3 and len({tuple(out.prompt_token_ids) for out in outputs}) == 3
+    for out in outputs:
+        ids = list(out.prompt_token_ids) + [0] * new  # causal: the padding never affects earlier positions
         for i in range(CTX, CTX + new):
             ids[i] = int(jnp.argmax(dense(jnp.asarray([ids], jnp.int32))[0, i - 1]))
-        assert request.output_token_ids == ids[CTX:]
+        assert out.outputs[0].token_ids == ids[CTX:] and out.metrics["num_cached_tokens"] == 16
 
 
 def test_bad_arguments_raise():
@@ -66,9 +68,10 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     variants = ["async-reserved", "sync-hybrid", "async-constrained"]
     out, png = tmp_path / "sched.json", tmp_path / "sched.png"
     bench.main(["scheduling", "--model-shape", "tiny", "--requests", "4", "--prompt-len", "5", "--output-len", "60",
-                "--kv-budget-pages", "1", "--page-size", "16", "--num-pages", "9", "--num-query-rows", "2",
-                "--dtype", "float32", "--prefill-tokens", "32", "--prefill-seqs", "2",
-                "--metrics-interval-steps", "4", "--no-warmup", "--compilation-cache-dir", "", "--json", str(out), "--png", str(png),
+                "--kv-budget-pages", "1", "--page-size", "16", "--num-gpu-pages-override", "9",
+                "--num-query-rows", "2", "--dtype", "float32", "--max-num-batched-tokens", "32",
+                "--max-num-prefill-seqs", "2", "--metrics-interval-steps", "4", "--no-warmup",
+                "--compilation-cache-dir", "none", "--json", str(out), "--png", str(png),
                 "--variants", *variants])
     report = json.loads(out.read_text())
     results = report["results"]
@@ -117,3 +120,39 @@ def test_ttft_command_chunked_prefill_gives_the_dense_first_token(tmp_path):
     dense = jax.jit(lambda tokens: forward_dense(params, cfg, tokens))
     expected = [int(jnp.argmax(dense(jnp.asarray([p], jnp.int32))[0, -1])) for p in prompts]
     assert row["first_tokens"] == expected
+
+
+def documented_bench_commands():
+    """Every ``python -m zipage_jax.bench ...`` command in README.md, BENCHMARKS.md and scripts/*.sh, as argv (shell
+    variables become their default, a loop's value or 1; commands built from shell arrays or elided with ... skipped)."""
+    import pathlib
+    import re
+    import shlex
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commands = []
+    for path in [root / "README.md", root / "BENCHMARKS.md", *sorted((root / "scripts").glob("*.sh"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for match in re.finditer(r"-m zipage_jax\.bench ((?:(?!\s\d?>)[^\n`|;&)#])*)", text):  # up to 2>&1 ...
+            line = match.group(1)
+            if "[@]" in line or "..." in line or len(line.split()) < 2:  # arrays, elisions, names in prose
+                continue
+            line = re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", line)
+            line = re.sub(r"\$\{?(\w+)\}?", lambda m: {"mode": "full"}.get(m.group(1), "1"), line)
+            commands.append((path.name, shlex.split(line)))
+    return commands
+
+
+def test_documented_bench_commands_parse():
+    from zipage_jax.benchmarks import cli, sweep
+
+    commands = documented_bench_commands()
+    assert {argv[0] for _, argv in commands} >= {"decode", "scheduling", "throughput", "serving", "startup", "sweep"}
+    for where, argv in commands:
+        if argv[0] == "compression":
+            continue  # its own kernel-level command line (tests/test_compression_bench.py)
+        parser = sweep.build_parser()[0] if argv[0] == "sweep" else cli.build_parser()
+        try:
+            parser.parse_args(argv[1:] if argv[0] == "sweep" else argv)
+        except SystemExit:
+            raise AssertionError(f"{where}: python -m zipage_jax.bench {' '.join(argv)}") from None

@@ -1,6 +1,7 @@
 """The steady-state compression share of ``metrics()`` leaves out warm-up and compile time; the share since start
 does not. A fake clock makes the wall times exact, so the oracle is plain arithmetic."""
 
+import collections
 import dataclasses
 import types
 
@@ -70,3 +71,31 @@ def test_steady_share_subtracts_compiles_after_warmup(monkeypatch):
     clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 200.0, 3.0, 25.0
     assert history.steady_compression_share(stub) == pytest.approx(2.0 / (100.0 - 20.0))
     assert history.compression_share(stub) == pytest.approx(3.0 / 200.0)
+
+
+def test_reset_starts_the_history_and_the_shares_afresh(monkeypatch):
+    """``LLMEngine.reset_metrics_history`` (a benchmark's workload after its warm-up): no samples, and rates and
+    shares count from the reset (a stub engine: only the counters matter)."""
+    clock = FakeClock()
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    runner = types.SimpleNamespace(compression_seconds=0.0, programs=types.SimpleNamespace(compile_wall_s=0.0))
+    scheduler = types.SimpleNamespace(running=[], waiting=[], swapped=[], num_stalled=0, num_query_rows=0,
+                                      free_query_rows=[], num_preemptions=0, num_swaps=0)
+    stub = types.SimpleNamespace(runner=runner, scheduler=scheduler, totals=collections.Counter(),
+                                 page_manager=types.SimpleNamespace(num_used_pages=0, num_pages=9))
+    history = metrics_module.MetricsHistory(1)
+    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 40.0, 8.0, 10.0
+    stub.totals.update(steps=1, decode_tokens=100)
+    history.maybe_sample(stub)
+    assert len(history.samples) == 1
+    clock.now = 50.0
+    history.reset(stub)
+    assert not history.samples and history.compression_share(stub) == 0.0
+    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 60.0, 10.0, 12.0
+    stub.totals.update(steps=1, decode_tokens=30)
+    history.maybe_sample(stub)
+    (sample,) = history.samples
+    assert sample["time_s"] == 10.0 and sample["decode_tokens_per_s"] == 3.0
+    assert sample["compression_time_share"] == pytest.approx(0.2)
+    assert history.compression_share(stub) == pytest.approx(2.0 / 10.0)
+    assert history.steady_compression_share(stub) == pytest.approx(2.0 / (10.0 - 2.0))  # less the compile time

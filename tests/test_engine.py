@@ -13,6 +13,7 @@ from zipage_jax.sampling_params import completion_budget
 from zipage_jax.models import forward_dense
 from zipage_jax.worker.model_runner import Runner
 from seeds import fresh_seed, seeded_rng
+from waiting import HANG_S
 
 FIXTURES = "tests/fixtures/hf"
 NEAR_TIE = 1e-4
@@ -254,7 +255,7 @@ def test_quiet_start_and_long_prompts(llm, caplog):
     import sys
 
     run = subprocess.run([sys.executable, "-c", "import zipage_jax; import transformers; transformers.AutoConfig"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0 and "PyTorch was not found" not in run.stderr + run.stdout
     with caplog.at_level("WARNING"):
         ids = llm.tokenizer.encode(" ".join(["a"] * 5000), add_special_tokens=False)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from waiting import HANG_S
 from zipage_jax.entrypoints import answers
 from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_match, reference_answer
 from zipage_jax.config import option_fields
@@ -54,7 +55,7 @@ def test_math_verify_is_safe_outside_the_main_thread():
     verdicts = []
     worker = threading.Thread(target=lambda: verdicts.append(math_verify_match(r"\boxed{2/4}", "1/2")))
     worker.start()
-    worker.join()
+    worker.join(HANG_S)
     assert verdicts == [True]
 
 
@@ -211,7 +212,8 @@ def test_cli_end_to_end_on_a_jsonl_file(tmp_path):
     out = tmp_path / "out" / "report.json"
     run = subprocess.run([sys.executable, "-m", "zipage_jax.eval", "--model", MODEL, "--data", str(data),
                           "--samples", "2", "--temperature", "1.0", "--max-tokens", "12", "--page-size", "16",
-                          "--no-warmup", "--output", str(out)], capture_output=True, text=True, timeout=120)
+                          "--no-warmup", "--output", str(out)], capture_output=True, text=True,
+                          timeout=HANG_S)
     assert run.returncode == 0, run.stderr
     assert "accuracy" in run.stdout and "no chat template" in run.stderr
     report = json.loads(out.read_text())

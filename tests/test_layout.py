@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from waiting import HANG_S
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zipage_jax"
 
@@ -128,7 +130,7 @@ def test_help_does_not_load_jax(entry):
             "except SystemExit:\n"
             "    pass\n"
             "print('LOADED' if 'jax' in sys.modules else 'NOT LOADED', file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert "--help" in proc.stdout or "usage" in proc.stdout, proc.stderr
     assert proc.stderr.strip().endswith("NOT LOADED"), proc.stderr
 
@@ -138,5 +140,171 @@ def test_public_names_load_lazily():
             "before = 'jax' in sys.modules\n"
             "from zipage_jax import LLM, SamplingParams, EngineConfig, LLMEngine, RequestOutput, CompletionOutput\n"
             "print(before, 'jax' in sys.modules, LLM.__module__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert proc.stdout.split() == ["False", "True", "zipage_jax.engine.llm"], proc.stderr
+
+
+# -- benchmarks drive the engine through its public seams -------------------------------------------------------
+ENGINE_ROOTS = {"engine", "llm", "scheduler", "runner", "page_manager", "request"}  # names that hold engine objects
+ENGINE_MAKERS = {"LLMEngine", "LLM", "Request", "Scheduler", "ModelRunner", "make_engine"}
+MUTATORS = {"append", "appendleft", "extend", "insert", "remove", "pop", "popleft", "clear", "update", "add",
+            "discard", "setdefault", "sort", "reverse", "__setitem__", "__delitem__"}
+
+
+def _root(node):
+    """The name an attribute / item / call chain starts from (``engine`` in ``engine.scheduler.running[0]``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _has_attribute(node) -> bool:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Attribute):
+            return True
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return False
+
+
+def _bindings(tree):
+    """(target, value) of every binding in the module: assignments, loops, comprehensions, with, walrus."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            yield from ((t, node.value) for t in node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
+            yield node.target, node.value
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            yield node.target, node.iter
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            yield node.optional_vars, node.context_expr
+
+
+def _bound_names(target):
+    """The names a binding target binds (``a, (b, *c)``; not ``x`` of ``x.y = ...`` or ``x[0] = ...``)."""
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _bound_names(element)
+    elif isinstance(target, ast.Starred):
+        yield from _bound_names(target.value)
+
+
+def engine_mutations(source: str) -> list[str]:
+    """Where ``source`` changes an engine's state other than through a method call: an assignment to (or ``del``,
+    ``setattr`` of) an attribute or item of an object reached from an engine, a mutating method of a collection
+    held by one (``engine.scheduler.running.append``), or any touch of a private attribute (``runner._dispatch``).
+    An object is reached from an engine when its name is bound, anywhere in the module and through any chain of
+    bindings, to an expression that mentions one of ``ENGINE_ROOTS`` or calls one of ``ENGINE_MAKERS``."""
+    tree = ast.parse(source)
+    reached, aliases = set(ENGINE_ROOTS), set()
+    grew = True
+    while grew:
+        grew = False
+        for target, value in _bindings(tree):
+            names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            makers = {_root(n.func) for n in ast.walk(value) if isinstance(n, ast.Call)} & ENGINE_MAKERS
+            if names & reached or makers:
+                for name in _bound_names(target):
+                    grew |= name not in reached
+                    reached.add(name)
+                    if isinstance(value, (ast.Attribute, ast.Subscript)) and _root(value) in reached:
+                        # an engine's own object (not what a method returned)
+                        aliases.add(name)
+
+    def internal(node) -> bool:
+        return _root(node) in reached and (_has_attribute(node) or _root(node) in aliases)
+
+    found = []
+    for node in ast.walk(tree):
+        line = f"line {getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]}"
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, (ast.Store, ast.Del)) \
+                        and _root(t) in reached and (isinstance(t, ast.Attribute) or internal(t.value)):
+                    found.append(line)
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args \
+                    and _root(node.args[0]) in reached:
+                found.append(line)
+            if isinstance(func, ast.Attribute) and func.attr in MUTATORS and internal(func.value):
+                found.append(line)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and _root(node) in reached:
+            found.append(line)
+    return found
+
+
+def test_benchmarks_never_change_engine_state_but_through_its_methods():
+    """The benchmarks park, resume, drain, observe and replay through public hooks (docs/ARCHITECTURE.md, Engine
+    step); none assigns to, deletes or monkeypatches what an engine holds."""
+    found = {path.name: engine_mutations(path.read_text()) for path in sorted((PACKAGE / "benchmarks").glob("*.py"))}
+    assert not any(found.values()), {name: lines for name, lines in found.items() if lines}
+
+
+def test_the_mutation_check_finds_mutations():
+    """What the benchmarks did before they had hooks, each found; and the hooks themselves pass."""
+    bad = """
+def bench(engine, make_engine):
+    engine.scheduler.running = []
+    runner = engine.runner
+    runner.execute = print
+    setattr(engine, "history", None)
+    requests = [Request(f"r{i}", [1], None, i) for i in range(2)]
+    for r in requests:
+        r.num_computed_tokens = 3
+        del r.output_token_ids[1:]
+    engine.scheduler.running.append(requests[0])
+    engine.runner.programs.run = print
+    step = engine.runner._dispatch
+    running = engine.scheduler.running
+    running.clear()
+    other = make_engine("full")
+    other.history.samples[0] = None
+"""
+    assert len(engine_mutations(bad)) == 10, engine_mutations(bad)
+    good = """
+def bench(engine):
+    engine.park(["a"])
+    outputs = engine.drain(only_finished=True)
+    outputs.append(None)
+    seen = []
+    engine.add_step_observer(seen.append)
+    row = dict(running=engine.metrics()["num_running"])
+    row["tokens"] = [r.output_token_ids for r in engine.requests.values()]
+    engine.runner.replay_last_decode()
+"""
+    assert engine_mutations(good) == []
+
+
+def _engine_group_actions(parser) -> set:
+    return {a for g in parser._action_groups if g.title.startswith("engine (") for a in g._group_actions}
+
+
+def test_benchmark_command_lines_take_the_engine_options_by_their_own_names():
+    """Every benchmark that builds an engine takes its options from ``add_engine_options`` (``--page-size``,
+    ``--max-num-batched-tokens``, ...), never declares one by hand nor under another name."""
+    import argparse
+
+    from zipage_jax.benchmarks import cli, sweep
+    from zipage_jax.config import option_fields
+
+    subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {name: p for name, p in subparsers.choices.items() if name not in cli.OWN_COMMAND_LINE}
+    parsers["sweep"] = sweep.build_parser()[0]
+    del parsers["serving"]  # a client of a running server: its --page-size and --max-model-len shape the workload
+    fields = set(option_fields())
+    renamed = {"prefill_tokens", "prefill_seqs", "num_pages", "kv_cache_gb"}  # what they were called before
+    for name, parser in parsers.items():
+        engine = _engine_group_actions(parser)
+        assert engine, name
+        for action in parser._actions:
+            assert action in engine or (action.dest not in fields and action.dest not in renamed), (name, action.dest)

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from waiting import HANG_S
+
 from zipage_jax.config import DEFAULT_MODEL
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
@@ -27,7 +29,7 @@ def test_quickstart_executes(tmp_path):
     parameters = notebook.cells[[c.cell_type for c in notebook.cells].index("code")]
     assert "NUM_PROBLEMS = 8" in parameters.source
     parameters.source = parameters.source.replace("NUM_PROBLEMS = 8", "NUM_PROBLEMS = 3")  # every cell, less work
-    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+    client = nbclient.NotebookClient(notebook, timeout=HANG_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the failing cell
     text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"

@@ -3,6 +3,7 @@ paged pool (tests/fake_device.py). Oracle: a request alone produces ``out[k] = n
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
@@ -74,3 +75,67 @@ def test_the_fake_device_is_a_whole_runner():
     run(engine, reqs)
     assert reqs[0].output_token_ids == alone(reqs[0].prompt_token_ids, 6)
     assert engine.history.steady_compression_share(engine) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(request_st, min_size=1, max_size=6), extra_pages=st.integers(0, 6),
+       max_num_seqs=st.integers(1, 4), parks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 25),
+                                                                st.integers(0, 8), st.booleans()), max_size=4))
+def test_parked_requests_keep_their_pages_and_resume_losslessly(requests, extra_pages, max_num_seqs, parks):
+    """``LLMEngine.park``: a parked request neither advances nor loses a page or row while others run (and take
+    no row it holds); resumed, it ends as if it had run alone; aborted while parked, it frees everything."""
+    engine = fake_engine(-(-MAX_LEN // PAGE) + 1 + extra_pages, max_num_seqs)
+    reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m), i)
+            for i, ((head, tail), m, _) in enumerate(requests)]
+    arrivals = {r.request_id: a for r, (_, _, a) in zip(reqs, requests)}
+    events = {}  # step -> [(request, park | resume | abort)]
+    for which, when, steps, abort in parks:
+        r = reqs[which % len(reqs)]
+        events.setdefault(when, []).append((r, "park"))
+        events.setdefault(when + steps, []).append((r, "abort" if abort else "resume"))
+    held, step = {}, [0]  # request id -> (its pages, its tokens) when parked
+
+    def on_step(engine):
+        for r, (pages, tokens) in held.items():
+            assert reqs_by_id[r].page_ids == pages and len(reqs_by_id[r].output_token_ids) == tokens
+        step[0] += 1
+        for r, what in events.get(step[0], []):
+            if what == "park" and r.status == RequestStatus.RUNNING and r.request_id not in held:
+                engine.park([r.request_id])
+                held[r.request_id] = (list(r.page_ids), len(r.output_token_ids))
+            elif what != "park" and r.request_id in held:
+                del held[r.request_id]
+                engine.abort_request(r.request_id) if what == "abort" else engine.resume([r.request_id])
+        engine.runner.check_state()
+
+    reqs_by_id = {r.request_id: r for r in reqs}
+    max_steps = 100 + sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in reqs) * 4
+    run(engine, reqs, arrivals, max_steps=max_steps, on_step=on_step)
+    for r in reqs:
+        want = alone(r.prompt_token_ids, r.sampling_params.max_tokens)
+        if r.status == RequestStatus.FINISHED_ABORTED:
+            assert r.output_token_ids == want[:len(r.output_token_ids)]
+        else:
+            assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == want, r.request_id
+
+
+def test_park_and_resume_check_their_requests():
+    """Only running requests park and only parked ones resume; a bad id changes nothing."""
+    engine = fake_engine(num_pages=8, max_num_seqs=2)
+    for i in range(3):
+        engine.add(Request(f"r{i}", [1, 2, 0], SamplingParams(temperature=0.0, max_tokens=4), i))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["r0", "r1"]
+    for bad in (["r0", "r2"], ["nope"]):  # r2 waits: max_num_seqs
+        with pytest.raises(ValueError, match="request_ids"):
+            engine.park(bad)
+    with pytest.raises(ValueError, match="request_ids"):
+        engine.resume(["r0"])
+    assert engine.scheduler.parked == []
+    engine.park(["r0"])
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["r1"]  # r0 holds its row: r2 still waits
+    engine.runner.check_state()
+    engine.abort_request("r1")
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["r2"]

@@ -6,7 +6,6 @@ be transparent: same text, finish reasons and token counts, whatever the transpo
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -15,20 +14,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
+from live_server import live_server
+from waiting import HANG_S, wait_until
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
 from zipage_jax.entrypoints.api_server import build_parser, create_app, stable_text_len
-
-WAIT_S = 30.0  # bound on every poll loop below
-
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 
@@ -41,56 +37,6 @@ def make_engine(**overrides):
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Live:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def client(self, api_key="unused", **kw):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(WAIT_S)
-        assert not self.thread.is_alive(), "server did not shut down"
-
-
-@contextlib.contextmanager
-def live_server(engine, *, grace_s: float = 1.0, **app_kwargs):
-    """A real uvicorn server on 127.0.0.1 (a free port) in a thread; stopped on exit."""
-    app = create_app(engine, **app_kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=grace_s))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    live = Live(f"http://127.0.0.1:{port}", server, thread)
-    try:
-        yield live
-    finally:
-        if thread.is_alive():
-            live.stop()
-        sock.close()
-
-
-def wait_until(predicate, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 _ref_ids = itertools.count()
 
 
@@ -174,7 +120,7 @@ def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
                                                        "dtype": "float32", "window": 8}
     assert args.host == "127.0.0.1" and args.model.endswith("tiny-reasoner")
     out = subprocess.run([sys.executable, "-m", "zipage_jax.serve", "--help"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_S)
     assert out.returncode == 0 and "--kv-cache-memory-bytes" in out.stdout
 
 
@@ -216,7 +162,7 @@ def test_completion_stream_concatenates_to_offline_text(live, model, reference, 
 
 def test_sse_wire_format_ends_with_done(live, model):
     body = {"model": model, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{live.url}/v1/completions", json=body) as r:
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=HANG_S) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)
@@ -315,7 +261,7 @@ QUESTION = "<|im_start|>user\nWhat is 67815*55?<|im_end|>\n<|im_start|>assistant
 
 
 def sse_events(url, body) -> list[dict]:
-    with httpx.stream("POST", url, json=body, timeout=WAIT_S) as r:
+    with httpx.stream("POST", url, json=body, timeout=HANG_S) as r:
         assert r.status_code == 200, r.read()
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
@@ -399,7 +345,7 @@ def test_lm_eval_loglikelihood_payload_scores_the_prompt(live, model, reference)
     for max_tokens in (0, 1):
         body = {"model": model, "prompt": [ids], "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
                 "seed": 1234, "echo": True}
-        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S)
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         lp = choice["logprobs"]
@@ -421,7 +367,7 @@ def test_prompt_logprobs_field_in_vllm_shape(live, model, reference):
     ids = reference.tokenizer.encode(QUESTION, add_special_tokens=False)
     want = offline_request(reference, ids, temperature=0.0, max_tokens=2, prompt_logprobs=2)
     r = httpx.post(f"{live.url}/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 2,
-                                                       "temperature": 0, "prompt_logprobs": 2}, timeout=WAIT_S)
+                                                       "temperature": 0, "prompt_logprobs": 2}, timeout=HANG_S)
     entries = r.json()["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ids)
     for t in range(1, len(ids)):
@@ -429,7 +375,7 @@ def test_prompt_logprobs_field_in_vllm_shape(live, model, reference):
         own = entries[t][str(ids[t])]
         assert own["logprob"] == pytest.approx(want.prompt_logprobs[t][ids[t]].logprob, abs=1e-5)
         assert own["rank"] == want.prompt_logprobs[t][ids[t]].rank and own["decoded_token"]
-    chat = httpx.post(f"{live.url}/v1/chat/completions", timeout=WAIT_S,
+    chat = httpx.post(f"{live.url}/v1/chat/completions", timeout=HANG_S,
                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                             "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
@@ -457,7 +403,7 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
     with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.api_server"):
         body = _completion(model=model, request_id="r1", cache_salt="salt", vllm_xargs={"a": 1}, length_penalty=2.0,
                            best_of=1, logit_bias={}, user="someone", add_special_tokens=True)
-        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=HANG_S).status_code == 200
         assert len(warnings()) == 1
         assert all(name in warnings()[0] for name in ("request_id", "cache_salt", "vllm_xargs", "length_penalty"))
         assert not any(name in warnings()[0] for name in ("best_of", "logit_bias", "user", "add_special"))
@@ -468,7 +414,7 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
         assert len(warnings()) == 2
         assert all(name in warnings()[1] for name in ("parallel_tool_calls", "stream_options.extra",
                                                       "messages[].reasoning_content"))
-        assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=WAIT_S).status_code == 200
+        assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=HANG_S).status_code == 200
         assert len(warnings()) == 2  # nothing ignored: no warning
 
 
@@ -578,7 +524,7 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
 
     async def main():
         async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=WAIT_S) as client:
+                                      timeout=HANG_S) as client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(main())
@@ -597,9 +543,12 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
 def test_non_streaming_client_disconnect_aborts_the_request(live, model):
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
     before, baseline = (live.metrics()[k] for k in ("zipage_server_client_aborts_total", "zipage_kv_pages_used"))
-    body = {"model": model, "prompt": "long", "max_tokens": 400, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.3)
+    body = json.dumps({"model": model, "prompt": "long", "max_tokens": 400, "ignore_eos": True}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:  # a client that goes away mid-request
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 1, "the request to be admitted")
     wait_until(lambda: live.metrics()["zipage_server_client_aborts_total"] == before + 1, "the abort")
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "the request to close")
     wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
@@ -642,7 +591,7 @@ def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(refe
             client.completions.create(model=model, prompt="doomed", max_tokens=50)
         assert err.value.body["type"] == "internal_error"
         engine.step = real_step
-        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert live.get("/health").status_code == 200
         got = client.completions.create(model=model, prompt="fine", max_tokens=50, temperature=0)
         assert got.choices[0].text == offline(reference, "fine", temperature=0.0, max_tokens=50)[0].text
         wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
@@ -742,7 +691,7 @@ def test_bad_input_gets_a_4xx_in_openai_error_shape(live, model, engine, path, b
         fill = {"MODEL": model, "FULL_CONTEXT": [token] * engine.max_model_len, "HALF_CONTEXT": [token] * half,
                 "HALF_CONTEXT+1": engine.max_model_len - half + 1, "FULL_CONTEXT_TOKENS": engine.max_model_len}
         body = json.dumps({k: fill.get(v, v) if isinstance(v, str) else v for k, v in body.items()}).encode()
-    r = httpx.post(f"{live.url}{path}", content=body, headers={"content-type": "application/json"})
+    r = live.post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -751,23 +700,23 @@ def test_bad_input_gets_a_4xx_in_openai_error_shape(live, model, engine, path, b
 
 
 def test_unknown_route_and_method_use_the_error_shape(live):
-    r = httpx.get(f"{live.url}/v1/nothing-here")
+    r = live.get("/v1/nothing-here")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.get(f"{live.url}/v1/completions")
+    r = live.get("/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
-    assert httpx.get(f"{live.url}/v1/models/not-it").status_code == 404
+    assert live.get("/v1/models/not-it").status_code == 404
 
 
 def test_api_key_is_enforced_on_v1_only():
     with live_server(make_engine(), api_key="s3cret") as live:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
-            r = httpx.get(f"{live.url}/v1/models", headers=headers)
+            r = live.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             live.client(api_key="wrong").completions.create(model="fake", prompt="x")
         model = live.client(api_key="s3cret").models.list().data[0].id
         assert live.client(api_key="s3cret").completions.create(model=model, prompt="ok", max_tokens=2).choices
-        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert live.get("/health").status_code == 200
 
 
 # -- observability ----------------------------------------------------------------------------------------------
@@ -775,8 +724,8 @@ def test_models_health_metrics_and_openapi(live, model, engine):
     client = live.client()
     assert [m.id for m in client.models.list().data] == [engine.model_name] == [model] == ["tiny-reasoner"]
     assert client.models.retrieve(model).id == model
-    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
-    r = httpx.get(f"{live.url}/metrics")
+    assert live.get("/health").json() == {"status": "ok"}
+    r = live.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     for name in ["zipage_requests_running", "zipage_requests_waiting", "zipage_kv_page_occupancy",
                  "zipage_compression_time_share", "zipage_prompt_tokens_total", "zipage_generation_tokens_total",
@@ -784,7 +733,7 @@ def test_models_health_metrics_and_openapi(live, model, engine):
         assert f"# TYPE {name} " in r.text, name
     metrics = live.metrics()
     assert metrics['zipage_server_responses_total{endpoint="/v1/models",status="200"}'] >= 1
-    schema = httpx.get(f"{live.url}/openapi.json").json()
+    schema = live.get("/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
     assert "kv_budget_pages" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
 
@@ -811,7 +760,7 @@ def test_schemathesis_finds_no_server_error(live, model):
                         case.body[key] = 16
                 if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
                     case.body["max_tokens"] = 16
-            response = case.call(base_url=live.url, timeout=WAIT_S)
+            response = case.call(base_url=live.url, timeout=HANG_S)
             if response.status_code >= 500:
                 failures.append((case.method, case.path, case.body, response.status_code, response.text))
 
@@ -827,20 +776,19 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
 
     def slow_warmup(progress=None, stop=None):
         compiling.set()
-        assert release.wait(WAIT_S)
+        assert release.wait(HANG_S)
         return real_warmup(progress, stop)
 
     engine.warmup = slow_warmup
     with live_server(engine, warmup=True) as live:
-        assert compiling.wait(WAIT_S)
-        health = httpx.get(f"{live.url}/health")
+        assert compiling.wait(HANG_S)
+        health = live.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "starting"
-        refused = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny-reasoner", "prompt": "1+1"})
+        refused = live.post("/v1/completions", json={"model": "tiny-reasoner", "prompt": "1+1"})
         assert refused.status_code == 503 and "starting" in refused.json()["error"]["message"]
         release.set()
-        # compiling on a loaded 2-core machine takes long: the bound only ends a hang
-        wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200, "the server to be ready", 10 * WAIT_S)
-        assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+        wait_until(lambda: live.get("/health").status_code == 200, "the server to be ready")
+        assert live.get("/health").json() == {"status": "ok"}
         done = live.client().completions.create(model="tiny-reasoner", prompt="1+1", max_tokens=3, temperature=0)
         assert done.choices[0].finish_reason in ("length", "stop")
         assert engine.metrics()["num_compiles"] > 0

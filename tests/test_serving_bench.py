@@ -1,40 +1,15 @@
 """`python -m zipage_jax.bench serving` against a real server (the shipped tiny model on CPU, loopback HTTP): its
 latency accounting, and a short soak with client cancellations after which the server's pages return."""
 
-import contextlib
-import socket
-import threading
-import time
-
 import pytest
-import uvicorn
 
+from live_server import live_server
+from waiting import HANG_S
 from zipage_jax import bench
 from zipage_jax.benchmarks import serving
 from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.entrypoints.api_server import create_app
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
-
-
-@contextlib.contextmanager
-def live_server(engine):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +18,8 @@ def url():
                                    max_num_batched_tokens=64, max_num_prefill_seqs=4, dtype="float32",
                                    num_gpu_pages_override=64, compilation_cache_dir=None, compression=True,
                                    kv_budget_pages=2)
-    with live_server(engine) as address:
-        yield address
+    with live_server(engine) as live:
+        yield live.url
 
 
 COMMON = ["--page-size", "16", "--budget-tokens", "16", "--vocab-size", "128", "--max-model-len", "160"]
@@ -78,7 +53,7 @@ def test_soak_with_cancellations_returns_every_page(url):
     import os
 
     report, _ = bench.main(["serving", "--url", url, "--rates", "--requests", "8", "--soak", "3", "--soak-rate",
-                            "8", "--cancel-prob", "0.5", "--server-pid", str(os.getpid()), "--drain-timeout", "30",
+                            "8", "--cancel-prob", "0.5", "--server-pid", str(os.getpid()), "--drain-timeout", str(HANG_S),
                             "--rss-tolerance-mb", "1e6", *COMMON])
     soak = report["soak"]
     assert soak["summary"]["cancelled"] > 0 and soak["summary"]["errors"] == 0

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from zipage_jax import bench
+from zipage_jax.config import EngineConfig
 from zipage_jax.benchmarks import throughput
 from zipage_jax.benchmarks import throughput as throughput_bench
 
@@ -79,10 +80,10 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
     """The peer runs in a subprocess: without torch or a GPU (as here) it fails, and the report says why."""
     import argparse
 
-    args = argparse.Namespace(model=None, model_shape="tiny", seed=0, page_size=16, max_num_seqs=4, peer_requests=2,
-                              peer_duration=1.0, peer_timeout=120.0)
+    args = argparse.Namespace(model=None, model_shape="tiny", peer_requests=2, peer_duration=1.0, peer_timeout=120.0)
     w = throughput.make_workload("reasoning", 4, 32, 16, 256, 256)
-    result = throughput.run_peer(args, w, None, str(tmp_path))
+    config = EngineConfig.from_kwargs("random:tiny", page_size=16, max_num_seqs=4)
+    result = throughput.run_peer(args, w, config, str(tmp_path))
     assert result["name"] == "hf" and result["requests"] == 2
     assert "tokens_per_s" not in result and result["error"]
 

@@ -280,24 +280,32 @@ def _optional(kind):
     return convert
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
+def add_engine_options(parser: argparse.ArgumentParser, exclude=(), defaults: dict | None = None) -> list[str]:
     """One option per engine option (``option_fields``; bools as --flag/--no-flag), described by
     ``DESCRIPTIONS``; unset options stay out of the namespace and keep the engine's default (so 'none' can
-    unset a field whose default is not None). Returns the option names."""
+    unset a field whose default is not None). A command may leave out the options it sets itself (``exclude``)
+    and give its own defaults (``defaults``: shown in --help and set in the namespace). Returns the option
+    names."""
+    defaults = defaults or {}
+    unknown = sorted((set(exclude) | set(defaults)) - set(option_fields()))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}")
     group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
     hints = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ScoringConfig)}
     names = []
     for name, field in option_fields().items():
+        if name in exclude:
+            continue
         kind, nullable = _field_type(hints[name])
         flag = "--" + name.replace("_", "-")
-        text = (f"{DESCRIPTIONS[name]} (default: {field.default}"
+        default = defaults.get(name, argparse.SUPPRESS)
+        text = (f"{DESCRIPTIONS[name]} (default: {defaults.get(name, field.default)}"
                 + ("; 'none' to unset)" if nullable else ")")).replace("%", "%%").replace("`", "")
         if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=text)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind,
-                               default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=text)
+            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind, default=default,
+                               metavar=kind.__name__.upper(), help=text)
         names.append(name)
     return names
 

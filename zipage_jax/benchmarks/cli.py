@@ -3,15 +3,13 @@
 import argparse
 import importlib
 import json
-import os
 import sys
 
 import jax
 
+from zipage_jax.benchmarks import decode as decode_bench
 from zipage_jax.benchmarks import scheduling, serving, throughput
-from zipage_jax.benchmarks.decode import HEADER, decode_benchmark, format_profile, format_row
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
-from zipage_jax.benchmarks.scheduling import SCHEDULING_VARIANTS
 from zipage_jax.benchmarks.startup import startup_benchmark
 from zipage_jax.config import add_engine_options, engine_kwargs
 
@@ -25,11 +23,8 @@ OWN_COMMAND_LINE = {
 }
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in OWN_COMMAND_LINE:
-        module = importlib.import_module(OWN_COMMAND_LINE[argv[0]][0])
-        return module.main(argv[1:]), None
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmarks' command line (those with their own, in ``OWN_COMMAND_LINE``, appear by name only)."""
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, (_, help_text) in OWN_COMMAND_LINE.items():
@@ -40,41 +35,15 @@ def main(argv=None):
     decode.add_argument("--ctx", type=int, default=1024, help="prompt tokens prefilled per request")
     decode.add_argument("--steps", type=int, default=64, help="measured decode steps per batch size")
     decode.add_argument("--warmup-steps", type=int, default=3)
-    decode.add_argument("--attention-backend", default="reference")
-    decode.add_argument("--tensor-parallel-size", type=int, default=1)
-    decode.add_argument("--page-size", type=int, default=256)
-    decode.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    decode.add_argument("--prefill-tokens", type=int, default=8192, help="token budget of a prefill step")
-    decode.add_argument("--prefill-seqs", type=int, default=8, help="requests per prefill step")
-    decode.add_argument("--seed", type=int, default=0)
     decode.add_argument("--no-hlo", action="store_true", help="skip the compiled-HLO inspection")
     decode.add_argument("--profile", action="store_true",
                         help="trace the device step and record where its time goes (per kernel and category)")
     decode.add_argument("--json", help="write the report here")
-    sched = sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs sync "
-                                              "compression, reserved vs hybrid vs constrained admission")
-    sched.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
-    sched.add_argument("--requests", type=int, default=256)
-    sched.add_argument("--prompt-len", type=int, default=512)
-    sched.add_argument("--output-len", type=int, default=4096)
-    sched.add_argument("--kv-budget-pages", type=int, default=8)
-    sched.add_argument("--page-size", type=int, default=256)
-    sched.add_argument("--num-pages", type=int, help="pool size in pages (default: sized from device memory)")
-    sched.add_argument("--num-query-rows", type=int, help="C (default: sized from memory)")
-    sched.add_argument("--max-num-seqs", type=int, default=256)
-    sched.add_argument("--attention-backend", default="reference")
-    sched.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    sched.add_argument("--prefill-tokens", type=int, default=8192)
-    sched.add_argument("--prefill-seqs", type=int, default=8)
-    sched.add_argument("--metrics-interval-steps", type=int, default=16)
-    sched.add_argument("--variants", nargs="+", default=[f"{m}-{a}" for m, a in SCHEDULING_VARIANTS],
-                       help="MODE-ADMISSION, MODE in async/sync, ADMISSION in hybrid/constrained")
-    sched.add_argument("--seed", type=int, default=0)
-    sched.add_argument("--no-warmup", action="store_true", help="compile on first use (smoke runs)")
-    sched.add_argument("--compilation-cache-dir", default=os.path.join("~", ".cache", "zipage_jax", "xla"),
-                       help="persistent XLA cache shared by the variants ('' = off)")
-    sched.add_argument("--json", help="write the report here")
-    sched.add_argument("--png", help="write the metrics plot here")
+    decode.set_defaults(engine_fields=add_engine_options(decode, exclude=decode_bench.SIZED + decode_bench.UNUSED,
+                                                         defaults=decode_bench.DEFAULTS))
+    scheduling.add_arguments(sub.add_parser("scheduling", help="compressed requests under memory pressure: async vs "
+                                                                "sync compression, reserved vs hybrid vs constrained "
+                                                                "admission"))
     startup = sub.add_parser("startup", help="LLM(...) + warmup() time, programs, and compiles after warm-up")
     startup.add_argument("--model", required=True, help="HF checkpoint directory")
     startup.add_argument("--workload", type=int, default=24, help="requests of the mixed workload after warm-up")
@@ -84,7 +53,15 @@ def main(argv=None):
                                                                      "named workload (and an HF peer)"))
     serving.add_arguments(sub.add_parser("serving", help="latency and goodput of a running server at given "
                                                                "request rates; soak with client cancellations"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in OWN_COMMAND_LINE:
+        module = importlib.import_module(OWN_COMMAND_LINE[argv[0]][0])
+        return module.main(argv[1:]), None
+    args = build_parser().parse_args(argv)
     if args.benchmark == "throughput":
         return throughput.main(args), None
     if args.benchmark == "serving":
@@ -112,18 +89,17 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
 
-    report, engine = decode_benchmark(
-        args.model_shape, args.batch, args.ctx, args.steps, args.attention_backend, args.page_size, args.dtype,
-        args.prefill_tokens, args.prefill_seqs, args.warmup_steps, args.seed, not args.no_hlo, args.profile,
-        progress=lambda line: print(line, flush=True), on_result=write, tensor_parallel_size=args.tensor_parallel_size)
-    print(HEADER)
+    report, outputs = decode_bench.decode_benchmark(
+        args.model_shape, args.batch, args.ctx, args.steps, engine_kwargs(args, args.engine_fields), args.warmup_steps,
+        not args.no_hlo, args.profile, progress=lambda line: print(line, flush=True), on_result=write)
+    print(decode_bench.HEADER)
     for row in report["results"]:
-        print(format_row(row))
+        print(decode_bench.format_row(row))
     for row in report["results"]:
         if row["profile"]:
-            print(format_profile(row))
+            print(decode_bench.format_profile(row))
     if report["hlo"]:
         print("pool-shaped ops in the compiled decode step:", report["hlo"]["ops_producing_pool_shape"],
               "| copies of the pool:", report["hlo"]["pool_copies"], "| collectives:", report["hlo"]["collectives"])
     write(report)
-    return report, engine
+    return report, outputs

@@ -3,23 +3,29 @@
     python -m zipage_jax.bench decode --model-shape qwen3-8b --batch 1 64 256 --ctx 1024 --steps 64 \
         --json out.json
 
-``decode`` prefills every request with ``ctx`` random prompt tokens, then, for each batch size (starting from
-that same prefilled state), runs the engine's step loop (``LLMEngine.step``: schedule → dispatch → read back the
-previous step) and reports:
+``decode`` prefills every prompt (``ctx`` random tokens) once; its full pages stay in the prefix cache. Then, for
+each batch size, that many requests start from those prompts (only each prompt's last page is computed again),
+each waits parked (``LLMEngine.park``) until all are prefilled, and the engine's step loop (``LLMEngine.step``:
+schedule → dispatch → read back the previous step) decodes them, observed step by step
+(``LLMEngine.add_step_observer``). Reported per batch size:
 
 - engine tokens/s: ``batch * steps / wall`` of ``steps`` pipelined engine steps;
-- device step time: the same decode step dispatched back to back with no host work in between;
+- device step time: the same decode step dispatched back to back with no host work in between
+  (``ModelRunner.replay_last_decode``);
 - host time per step: wall time of one engine step call, excluding the time it blocks reading back the
   previous result; split into the time inside the jitted call (dispatch, plus any wait the runtime imposes
-  there) and the Python work around it (scheduling, packing, read-back bookkeeping);
+  there: ``Programs.call_s``) and the Python work around it (scheduling, packing, read-back bookkeeping);
 - idle gap: engine step time minus device step time (time the GPU waits for the host per step);
 - roofline fraction: bytes one decode step must read (weights + live KV) / step time / HBM peak.
+
+Engine options are ``EngineConfig``'s (``--page-size``, ``--max-num-batched-tokens``, ``--attention-backend``,
+...) but for those the benchmark sizes itself (``SIZED``): the pool holds every request at full length.
 """
 
+import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax.benchmarks.hlo import collectives, pool_copies
@@ -30,94 +36,41 @@ from zipage_jax.benchmarks.model_shapes import (
     weight_bytes_per_step,
 )
 from zipage_jax.benchmarks.profiling import kernel_breakdown
-from zipage_jax.config import EngineConfig
-from zipage_jax.core.request import Request
-from zipage_jax.core.scheduler import SchedulerOutput
-from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.config import SCORING_FIELDS, EngineConfig
+from zipage_jax.engine.llm_engine import LLMEngine, resolve_dtype
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.worker.model_runner import ModelRunner
+
+# engine options the benchmark sets itself: full KV, the pool sized for every request at full length, the prefix
+# cache carrying the prefilled prompts from one batch size to the next
+SIZED = ("max_model_len", "max_num_seqs", "num_gpu_pages_override", "kv_cache_memory_bytes",
+         "gpu_memory_utilization", "enable_prefix_caching", "compression")
+DEFAULTS = dict(max_num_batched_tokens=8192, max_num_prefill_seqs=8, compilation_cache_dir=None)
+# options with nothing to act on here (random weights without a tokenizer, full KV): left off the command line
+UNUSED = ("tokenizer", "kv_budget_pages", *SCORING_FIELDS, "num_query_rows", "admission", "async_compression",
+          "max_compression_pages", "compression_min_batch", "compression_max_wait_steps")
 
 
-class _Recorder:
-    """Watches the engine's runner: remembers each step's scheduler output and the last decode dispatch (to
-    replay it), and times the compiled calls and the waits for the read-back."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner, self.execute = runner, runner.execute
-        self.dispatch, self.run = runner._dispatch, runner.programs.run
-        self.scheduled: SchedulerOutput | None = None
-        self.inputs = self.program = None
-        self.jit_call_s = self.blocked_s = 0.0
-        runner.execute, runner._dispatch = self._record_execute, self._record_dispatch
-        runner.programs.run = self._record_run
-
-    def _record_execute(self, scheduled):
-        self.scheduled = scheduled
-        handles = self.execute(scheduled)
-        for handle in handles:
-            handle.result = self._timed_result(handle.result)
-        return handles
-
-    def _timed_result(self, result):
-        def timed():
-            start = time.perf_counter()
-            out = result()
-            self.blocked_s += time.perf_counter() - start
-            return out
-        return timed
-
-    def _record_dispatch(self, inputs, requests, kind, num_tokens, rows):
-        if kind == "decode":
-            self.inputs = (inputs, requests, kind, num_tokens, rows)
-        return self.dispatch(inputs, requests, kind, num_tokens, rows)
-
-    def _record_run(self, program, *args):
-        if program.key[0] == "step" and self.inputs is not None:
-            self.program = program
-        start = time.perf_counter()
-        out = self.run(program, *args)
-        self.jit_call_s += time.perf_counter() - start  # dispatch; any wait on the device here is not Python work
-        return out
-
-    def engine_step(self, engine: LLMEngine) -> tuple[SchedulerOutput, float, float]:
-        """One engine step: its scheduler output, the host seconds it took apart from waiting for the read-back,
-        and that wait."""
-        blocked = self.blocked_s
-        start = time.perf_counter()
-        engine.step(only_finished=True)
-        blocked = self.blocked_s - blocked
-        return self.scheduled, time.perf_counter() - start - blocked, blocked
-
-    def step(self):
-        return self.dispatch(*self.inputs)[0].ids
-
-    def replay(self, n: int) -> float:
-        """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""
-        jax.block_until_ready(self.step())
-        start = time.perf_counter()
-        for _ in range(n):
-            tokens = self.step()
-        jax.block_until_ready(tokens)
-        return (time.perf_counter() - start) / n
+def replay_seconds(engine: LLMEngine, n: int) -> float:
+    """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""
+    jax.block_until_ready(engine.runner.replay_last_decode())
+    start = time.perf_counter()
+    for _ in range(n):
+        tokens = engine.runner.replay_last_decode()
+    jax.block_until_ready(tokens)
+    return (time.perf_counter() - start) / n
 
 
-def drain(engine: LLMEngine):
-    """Read back the steps in flight without dispatching more: the running requests sit out one step."""
-    running, engine.scheduler.running = engine.scheduler.running, []
-    engine.step(only_finished=True)
-    engine.scheduler.running = running
+def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, engine_options: dict | None = None,
+                     warmup_steps: int = 3, inspect_hlo: bool = True, profile: bool = False, progress=print,
+                     on_result=None):
+    """Run the decode benchmark; returns (report dict, the last batch size's ``RequestOutput``s).
 
-
-def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, attention_backend: str = "reference",
-                     page_size: int = 256, dtype: str = "bfloat16", prefill_tokens: int = 8192,
-                     prefill_seqs: int = 8, warmup_steps: int = 3, seed: int = 0, inspect_hlo: bool = True,
-                     profile: bool = False, progress=print, on_result=None, tensor_parallel_size: int = 1):
-    """Run the decode benchmark; returns (report dict, the engine with its requests).
-
-    With ``tensor_parallel_size`` devices the rooflines are those of all their HBM together (each device reads
-    its shards; the replicated embedding and LM head, read by every device, count once), and the compiled
-    step's collectives are reported; the profile is the first device's.
+    ``engine_options``: ``EngineConfig`` fields (flat, as ``EngineConfig.from_kwargs`` takes them) over
+    ``DEFAULTS``, except ``SIZED``. ``seed`` seeds the random weights and prompts too. With
+    ``tensor_parallel_size`` devices the rooflines are those of all their HBM together (each device reads its
+    shards; the replicated embedding and LM head, read by every device, count once), and the compiled step's
+    collectives are reported; the profile is the first device's.
 
     ``on_result(partial_report)`` is called after each batch size, so a run cut short keeps what it measured.
     ``profile`` adds each batch size's kernel breakdown of the device step (``profiling.kernel_breakdown``).
@@ -129,43 +82,52 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         raise ValueError(f"batch: must be positive ints (got {batches!r})")
     if model_shape not in MODEL_SHAPES:
         raise ValueError(f"model_shape: unknown {model_shape!r}; have {sorted(MODEL_SHAPES)}")
+    options = {**DEFAULTS, **(engine_options or {})}
+    if set(options) & set(SIZED):
+        raise ValueError(f"engine_options: {sorted(set(options) & set(SIZED))} are sized by the benchmark")
     model_cfg = MODEL_SHAPES[model_shape]
     max_batch = max(batches)
     max_model_len = ctx + 1 + warmup_steps + steps
+    config = EngineConfig.from_kwargs(f"random:{model_shape}", **options)
+    page_size = config.page_size
     pages_per_seq = -(-max_model_len // page_size)
-    config = EngineConfig(model=f"random:{model_shape}", dtype=dtype, page_size=page_size,
-                          max_model_len=max_model_len, max_num_seqs=max_batch,
-                          max_num_batched_tokens=prefill_tokens, max_num_prefill_seqs=prefill_seqs,
-                          attention_backend=attention_backend, seed=seed,
-                          enable_prefix_caching=False, compilation_cache_dir=None,
-                          tensor_parallel_size=tensor_parallel_size)
+    config = dataclasses.replace(config, max_model_len=max_model_len, max_num_seqs=max_batch,
+                                 enable_prefix_caching=True, compression=False)
+    dtype = resolve_dtype(config.dtype, model_cfg)
+    tensor_parallel_size = config.tensor_parallel_size
     t = time.perf_counter()
-    # the pool is sized from the card (at most what every request's pages need): the weights go in already in
-    # the serving layout, so no stacked copy is held while the plan reads what is in use
-    engine = LLMEngine(config, model_cfg, weights.to_serving(
-        weights.init_random_params(model_cfg, jax.random.key(seed), jnp.dtype(dtype)), tensor_parallel_size))
+    # the pool is sized from the card and must hold every request's pages: the weights go in already in the
+    # serving layout, so no stacked copy is held while the plan reads the card
+    params = weights.to_serving(weights.init_random_params(model_cfg, jax.random.key(config.seed), dtype),
+                                tensor_parallel_size)
+    jax.block_until_ready(params)
+    engine = LLMEngine(config, model_cfg, params)
+    del params
     num_pages = engine.num_pages
     if num_pages < max_batch * pages_per_seq + 1:
         raise ValueError(f"batch: {max_batch} requests of {max_model_len} tokens need {max_batch * pages_per_seq} "
                          f"pages; the KV pool the card leaves holds {num_pages - 1} (lower --batch or --ctx)")
     progress(f"random params + KV pool ({num_pages} pages of {page_size}): {time.perf_counter() - t:.1f}s")
-    recorder = _Recorder(engine.runner)
+    observed = []  # per step: requests decoded, prompt chunks, their KV tokens, host s, read-back s, prefilled
 
-    rng = np.random.default_rng(seed)
-    # more tokens than the benchmark decodes, so no request finishes: each batch size rewinds them
-    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_model_len)
-    requests = [Request(f"bench-{i}", rng.integers(0, model_cfg.vocab_size, size=ctx).tolist(), sampling, i, seed=i)
-                for i in range(max_batch)]
-    for r in requests:
-        engine.add(r)
+    def observe(record):
+        s = record.scheduled
+        observed.append((len(s.decodes), len(s.prefills), sum(r.num_computed_tokens for r in s.decodes),
+                         record.step_s - record.read_back_s, record.read_back_s,
+                         [c.request.request_id for c in s.prefills if c.start + c.num_tokens == ctx]))
+
+    engine.add_step_observer(observe)
+
+    rng = np.random.default_rng(config.seed)
+    prompts = [rng.integers(0, model_cfg.vocab_size, size=ctx).tolist() for _ in range(max_batch)]
     t = time.perf_counter()
+    once = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)  # ends after its prefill: pages cached
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"prefill-{i}", prompt, once)
     prefill_steps = 0
-    while engine.scheduler.waiting or engine.scheduler.running:
+    while engine.has_unfinished_requests():
         engine.step(only_finished=True)
         prefill_steps += 1
-        # a prefilled request sits out (parked with its pages) until its batch decodes
-        engine.scheduler.running = [r for r in engine.scheduler.running if r.num_computed_tokens < ctx]
-    drain(engine)
     prefill_s = time.perf_counter() - t
     progress(f"prefill {max_batch} x {ctx} tokens in {prefill_steps} steps: {prefill_s:.1f}s (incl. compile)")
 
@@ -177,44 +139,48 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             benchmark="decode", model_shape=model_shape, device=str(jax.devices()[0]),
             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, page_size=page_size, dtype=dtype,
-                        attention_backend=attention_backend, num_pages=num_pages, max_model_len=max_model_len,
-                        tensor_parallel_size=tensor_parallel_size,
-                        prefill_tokens=prefill_tokens, prefill_seqs=prefill_seqs,
-                        num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
+            config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, **engine.config.options(),
+                        num_pages=num_pages, num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
             hbm_peak_bytes_per_s=HBM_PEAK_BYTES_PER_S, prefill_s_incl_compile=prefill_s,
             results=list(results), hlo=hlo)
 
-    results, hlo, hlo_program = [], None, None
+    # every request generates its prefill token, the warm-up steps' and the measured steps' (then it ends)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_model_len - ctx)
+    results, hlo, hlo_key, outputs = [], None, None, []
     for batch in batches:
-        members = requests[:batch]
-        engine.scheduler.running = list(members)  # the others stay parked with their pages
-        for r in members:  # rewind to the prefilled state, so every batch size decodes at the same context
-            del r.output_token_ids[1:], r.output_logprobs[1:]
-            r.num_computed_tokens = ctx
-        recorder.inputs = recorder.program = None
+        ids = [f"batch{batch}-{i}" for i in range(batch)]
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, prompt, greedy)
+        parked = 0
+        while parked < batch:  # each prompt's last page; a prefilled request waits until every one is
+            del observed[:]
+            engine.step(only_finished=True)
+            if not observed[-1][1]:
+                raise RuntimeError("decode benchmark: a step prefilled nothing before every request was prefilled")
+            engine.park(observed[-1][5])
+            parked += len(observed[-1][5])
+        engine.drain(only_finished=True)
+        engine.resume(ids)
         t = time.perf_counter()
         engine.step(only_finished=True)
-        drain(engine)
+        engine.drain(only_finished=True)
         compile_s = time.perf_counter() - t
         for _ in range(warmup_steps - 1):
             engine.step(only_finished=True)
-        drain(engine)
-        host, blocked, kv_tokens = [], [], []
-        recorder.jit_call_s = 0.0
+        engine.drain(only_finished=True)
+        del observed[:]
+        calls = engine.runner.programs.call_s
         start = time.perf_counter()
         for _ in range(steps):
-            scheduled, h, b = recorder.engine_step(engine)
-            assert len(scheduled.decodes) == batch and not scheduled.prefills
-            host.append(h)
-            blocked.append(b)
-            kv_tokens.append(sum(r.num_computed_tokens for r in scheduled.decodes))
-        drain(engine)
+            engine.step(only_finished=True)
+        outputs = engine.drain(only_finished=True)  # the last step's tokens: every request ends here
         engine_step_s = (time.perf_counter() - start) / steps
-        jit_call_s = recorder.jit_call_s / steps
-        device_step_s = recorder.replay(steps)
-        hlo_program = hlo_program or recorder.program
-        breakdown = kernel_breakdown(recorder.step) if profile else None
+        jit_call_s = (engine.runner.programs.call_s - calls) / steps
+        assert all(decodes == batch and not chunks for decodes, chunks, *_ in observed) and len(outputs) == batch
+        kv_tokens, host, blocked = ([step[i] for step in observed] for i in (2, 3, 4))
+        device_step_s = replay_seconds(engine, steps)
+        hlo_key = hlo_key or engine.runner.last_decode_key
+        breakdown = kernel_breakdown(engine.runner.replay_last_decode) if profile else None
         weight_bytes = weight_bytes_per_step(engine.params, model_cfg, batch)
         kv_bytes = float(np.mean(kv_tokens)) * per_token_kv
         step_bytes = weight_bytes + kv_bytes
@@ -234,15 +200,14 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         progress(format_row(row))
         if on_result:
             on_result(make_report(results, None))
-    engine.scheduler.running = list(requests)
     if inspect_hlo:  # last, so a slow recompile never costs the measurements
         t = time.perf_counter()
         kv_heads = model_cfg.num_kv_heads // tensor_parallel_size  # the compiled step holds one shard's pool
         shape = (model_cfg.num_layers, num_pages, kv_heads, page_size, model_cfg.head_dim)
-        text = engine.runner.programs.compiled[hlo_program.key].as_text()
+        text = engine.runner.programs.compiled[hlo_key].as_text()
         hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype), collectives=collectives(text))
         hlo["inspect_s"] = time.perf_counter() - t
-    return make_report(results, hlo), engine
+    return make_report(results, hlo), outputs
 
 
 HEADER = (f"{'batch':>5} {'kv_len':>7} {'tok/s':>9} {'engine ms':>9} {'device ms':>9} {'host ms':>8} "

@@ -145,11 +145,12 @@ async def fetch_metrics(url: str) -> dict[str, float]:
         return parse_metrics((await client.get(f"{url}/metrics")).text)
 
 
-async def model_name(url: str) -> str:
+async def served_model(url: str) -> dict:
+    """The server's model card: its ``id`` and ``max_model_len``."""
     import httpx
 
     async with httpx.AsyncClient(timeout=30.0) as client:
-        return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        return (await client.get(f"{url}/v1/models")).json()["data"][0]
 
 
 async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
@@ -194,10 +195,12 @@ def add_arguments(parser):
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="requests per second")
     parser.add_argument("--requests", type=int, default=64, help="requests per rate")
     parser.add_argument("--workload", choices=WORKLOADS, default="reasoning")
-    parser.add_argument("--page-size", type=int, default=16, help="scales the workload (the server's page size)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="the server's page size, which the workload's lengths are counted in")
     parser.add_argument("--budget-tokens", type=int, default=64, help="scales the workload's output lengths")
     parser.add_argument("--vocab-size", type=int, default=128, help="prompt token ids are drawn below this")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + output of a request at most")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + output of a request at most (default: the server's, from /v1/models)")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on time to first token, seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on time per output token, seconds")
     parser.add_argument("--soak", type=float, help="soak: seconds of load with random client cancellations")
@@ -218,10 +221,11 @@ def main(args) -> dict:
         raise ValueError(f"rates: must be > 0 (got {args.rates})")
     if not 0 <= args.cancel_prob <= 1:
         raise ValueError(f"cancel_prob: must be in [0, 1] (got {args.cancel_prob})")
-    w = make_workload(args.workload, args.requests, args.budget_tokens, args.page_size, args.vocab_size,
-                      args.max_model_len, args.seed)
     url = args.url.rstrip("/")
-    model = asyncio.run(model_name(url))
+    card = asyncio.run(served_model(url))
+    model = card["id"]
+    w = make_workload(args.workload, args.requests, args.budget_tokens, args.page_size, args.vocab_size,
+                      args.max_model_len or card["max_model_len"], args.seed)
     report = dict(benchmark="serving", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), url=url, model=model,
                   workload=w.summary(), slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), rates=[], soak=None)
 

@@ -20,8 +20,14 @@ Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random w
 made in device memory: ``weights.init_random_params``; the tokenizer is the shipped model's, prompts are ids).
 ``--peer hf`` first runs the same requests through HF transformers' continuous batching in a subprocess on the
 same device (``zipage_jax.benchmarks.hf_peer``), before this process touches the accelerator.
+
+Engine options are ``EngineConfig``'s (``--page-size``, ``--kv-budget-pages``, ``--max-num-seqs``, ...; each mode
+sets ``compression`` and ``admission``). Without a pool size (``--kv-cache-memory-bytes``,
+``--num-gpu-pages-override`` or ``--gpu-memory-utilization``) the KV pool gets what an 80 GB card keeps at 0.9
+utilization after its share of the weights, the same on every card.
 """
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -36,6 +42,7 @@ import time
 
 import numpy as np
 
+from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.sampling_params import SamplingParams
 
 WORKLOADS = ("reasoning", "mixed", "prefix")
@@ -317,9 +324,15 @@ def plot(report: dict, path: str):
 
 
 # -- the command -------------------------------------------------------------------------------------------------
-SMALL = dict(model=None, model_shape="tiny", page_size=16, kv_budget_pages=2, requests=6, max_num_seqs=4,
-             max_num_batched_tokens=32, max_num_prefill_seqs=4, max_model_len=256, kv_cache_gb=None, num_pages=24,
-             duration=None, sample_interval_s=0.0, attention_backend="auto", peer=None, no_warmup=True)
+# engine options each mode sets (compression and admission); the command's own defaults of the others
+SIZED = ("compression", "admission")
+DEFAULTS = dict(max_model_len=32768, metrics_interval_steps=0, compilation_cache_dir=None)
+# --small: the tiny random model on CPU in seconds (a preset: it overrides what the command line says)
+SMALL = dict(model=None, model_shape="tiny", requests=6, duration=None, sample_interval_s=0.0, peer=None,
+             no_warmup=True)
+SMALL_ENGINE = dict(page_size=16, kv_budget_pages=2, max_num_seqs=4, max_num_batched_tokens=32,
+                    max_num_prefill_seqs=4, max_model_len=256, num_gpu_pages_override=24)
+CARD_BYTES = 80e9  # without a pool size, the KV budget is what an 80 GB card keeps at 0.9 after its weights' share
 
 
 def add_arguments(parser):
@@ -332,18 +345,6 @@ def add_arguments(parser):
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]),
                         help="compressed-hybrid / compressed-constrained: compressed mode under another admission")
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--page-size", type=int, default=256)
-    parser.add_argument("--kv-budget-pages", type=int, default=8, help="M: the budget is M * page_size tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-prefill-seqs", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="KV pool and caches in GB per device (default: an 80 GB card after its share of the "
-                             "weights, 0.9 x 80 GB - weights / tensor-parallel-size)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--num-pages", type=int, help="KV pool in pages instead")
-    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
     parser.add_argument("--sample-interval-s", type=float, default=1.0)
     parser.add_argument("--no-warmup", action="store_true", help="compile on first use (counted, not excluded)")
@@ -351,16 +352,22 @@ def add_arguments(parser):
     parser.add_argument("--peer-requests", type=int, help="the first N requests of the workload for the peer")
     parser.add_argument("--peer-duration", type=float, default=60.0, help="the peer's generation window, seconds")
     parser.add_argument("--peer-timeout", type=float, default=240.0, help="kill the peer after this many seconds")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here (rewritten after each mode)")
     parser.add_argument("--png", help="write the plots here")
+    parser.set_defaults(engine_fields=add_engine_options(parser, exclude=SIZED, defaults=DEFAULTS))
+
+
+def base_config(args, model_cfg) -> EngineConfig:
+    """The engine options of every mode (validated): those of the command line, or ``--small``'s."""
+    options = {**engine_kwargs(args, args.engine_fields), **(SMALL_ENGINE if args.small else {})}
+    limit = model_cfg.max_position_embeddings
+    options["max_model_len"] = min(options["max_model_len"] or limit, limit)
+    return EngineConfig.from_kwargs(args.model or DEFAULT_MODEL, **options)
 
 
 def main(args) -> dict:
     if args.small:
-        for key, value in SMALL.items():
-            setattr(args, key, value)
-    budget_tokens = args.kv_budget_pages * args.page_size
+        args = argparse.Namespace(**{**vars(args), **SMALL})
     from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
     from zipage_jax.models.config import ModelConfig
 
@@ -370,9 +377,9 @@ def main(args) -> dict:
         model_cfg = MODEL_SHAPES[args.model_shape]
     else:
         raise ValueError(f"model_shape: unknown {args.model_shape!r}; have {sorted(MODEL_SHAPES)}")
-    max_model_len = min(args.max_model_len, model_cfg.max_position_embeddings)
-    workload = make_workload(args.workload, args.requests, budget_tokens, args.page_size, model_cfg.vocab_size,
-                             max_model_len, args.seed)
+    base = base_config(args, model_cfg)
+    workload = make_workload(args.workload, args.requests, base.kv_budget_pages * base.page_size, base.page_size,
+                             model_cfg.vocab_size, base.max_model_len, base.seed)
     tmp = tempfile.mkdtemp(prefix="zipage_throughput_")
     report = dict(benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   workload=workload.summary(), config=None, results=[], peer=None, ratios={})
@@ -384,46 +391,35 @@ def main(args) -> dict:
                 json.dump(report, f, indent=1)
 
     if args.peer:  # before this process allocates device memory
-        report["peer"] = run_peer(args, workload, model_cfg, tmp)
+        report["peer"] = run_peer(args, workload, base, tmp)
         print(f"peer: {json.dumps({k: v for k, v in report['peer'].items() if k != 'history'})}", flush=True)
         write()
 
     import jax
     import jax.numpy as jnp
 
-    from zipage_jax.config import EngineConfig
     from zipage_jax.engine.llm_engine import LLMEngine
     from zipage_jax.models import weights
 
-    model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
     dtype = jnp.dtype(model_cfg.dtype)
-    shapes = jax.eval_shape(lambda key: weights.init_random_params(model_cfg, key, dtype), jax.random.key(0))
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    kv_bytes = None
-    if args.num_pages is None:
-        share = weight_bytes / args.tensor_parallel_size
-        gb = args.kv_cache_gb if args.kv_cache_gb is not None else (0.9 * 80e9 - share) / 1e9
-        kv_bytes = int(gb * 1e9)
-    options = dict(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_prefill_seqs=args.max_num_prefill_seqs,
-                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, num_gpu_pages_override=args.num_pages,
-                   attention_backend=args.attention_backend, compilation_cache_dir=None, seed=args.seed,
-                   metrics_interval_steps=0, tensor_parallel_size=args.tensor_parallel_size)
-    report["config"] = dict(options, kv_budget_pages=args.kv_budget_pages,
-                            model=args.model or f"random:{args.model_shape}", device=str(jax.devices()[0]),
-                            device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                            duration_s=args.duration)
+    if base.kv_cache_memory_bytes is None and base.num_gpu_pages_override is None \
+            and "gpu_memory_utilization" not in vars(args):  # no pool size given: see CARD_BYTES
+        shapes = jax.eval_shape(lambda key: weights.init_random_params(model_cfg, key, dtype), jax.random.key(0))
+        share = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) / base.tensor_parallel_size
+        base = dataclasses.replace(base, kv_cache_memory_bytes=int(0.9 * CARD_BYTES - share))
+    model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
+    report["config"] = dict(base.options(), model=args.model or f"random:{args.model_shape}",
+                            device=str(jax.devices()[0]), device_kind=jax.devices()[0].device_kind,
+                            jax_version=jax.__version__, duration_s=args.duration)
 
     def make_engine(mode):
         """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
-        extra = {}
-        if mode.startswith("compressed"):
-            extra = dict(compression=True, kv_budget_pages=args.kv_budget_pages,
-                         admission=mode.partition("-")[2] or "reserved")
+        config = dataclasses.replace(base, model=model_dir, compression=mode.startswith("compressed"),
+                                     admission=mode.partition("-")[2] or "reserved")
         params = None
         if not args.model:
-            params = weights.init_random_params(model_cfg, jax.random.key(args.seed), dtype)
-        return LLMEngine(EngineConfig.from_kwargs(model_dir, **options, **extra), params=params)
+            params = weights.init_random_params(model_cfg, jax.random.key(base.seed), dtype)
+        return LLMEngine(config, params=params)
 
     for mode in args.modes:
         report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
@@ -437,12 +433,13 @@ def main(args) -> dict:
     return report
 
 
-def run_peer(args, workload: Workload, model_cfg, tmp: str) -> dict:
-    """HF transformers' continuous batching on the same requests, in a subprocess with a hard timeout."""
+def run_peer(args, workload: Workload, config, tmp: str) -> dict:
+    """HF transformers' continuous batching on the same requests (``config``: the engine's page size, batch and
+    seed), in a subprocess with a hard timeout."""
     count = args.peer_requests or len(workload.prompts)
-    spec = dict(model=args.model, model_shape=None if args.model else args.model_shape, seed=args.seed,
+    spec = dict(model=args.model, model_shape=None if args.model else args.model_shape, seed=config.seed,
                 prompts=workload.prompts[:count], max_tokens=workload.max_tokens[:count],
-                duration=args.peer_duration, page_size=args.page_size, max_batch=args.max_num_seqs)
+                duration=args.peer_duration, page_size=config.page_size, max_batch=config.max_num_seqs)
     spec_path, out_path = os.path.join(tmp, "peer_spec.json"), os.path.join(tmp, "peer_out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)

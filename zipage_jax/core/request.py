@@ -9,6 +9,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"  # compressed, its pages and window queries held in host memory until it resumes
+    PARKED = "parked"  # out of scheduling, holding its pages and rows until resumed (LLMEngine.park)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -103,6 +103,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order
+        self.parked: list[Request] = []  # out of scheduling, holding their pages and rows (``park``)
         self.free_token_rows = list(range(max_num_seqs - 1, -1, -1))
         self.free_query_rows = list(range(self.num_query_rows - 1, -1, -1))
         self.committed_pages = 0  # sum of M+1 over the query-row holders
@@ -283,7 +284,7 @@ class Scheduler:
         self.running.append(request)
 
     def _swap_in(self, out: SchedulerOutput):
-        while self.swapped and len(self.running) < self.max_num_seqs:
+        while self.swapped and self.free_token_rows:  # parked requests hold rows too
             request = self.swapped[0]
             if request.num_pending or not self._grant_query_row(request):
                 break  # its last token is still in flight, or no query row: it comes back first, later
@@ -310,7 +311,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, token_budget: int):
         rowless = self._rowless_pages() if self.waiting and self.compression and self.reserve_pages else 0
-        while (self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs
+        while (self.waiting and token_budget > 0 and self.free_token_rows
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:
@@ -384,9 +385,24 @@ class Scheduler:
         self.num_swaps += 1
         bisect.insort(self.swapped, request, key=lambda r: r.arrival)
 
+    def park(self, request: Request):
+        """Take a running request out of scheduling: it keeps its pages, KV and rows, and is never preempted,
+        until ``resume``; admission reserves nothing more for it."""
+        self.running.remove(request)
+        self.parked.append(request)
+        request.status = RequestStatus.PARKED
+
+    def resume(self, request: Request):
+        """Schedule a parked request again, after the running ones."""
+        self.parked.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+
     def finish(self, request: Request, status: RequestStatus):
         if request in self.running:
             self.running.remove(request)
+        elif request in self.parked:
+            self.parked.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:

@@ -24,7 +24,7 @@ from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.core.scheduler import Scheduler
 from zipage_jax.core.stopping import check_stop
 from zipage_jax.engine.detokenizer import IncrementalDetokenizer
-from zipage_jax.engine.metrics import MetricsHistory
+from zipage_jax.engine.metrics import MetricsHistory, StepRecord
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
@@ -101,6 +101,7 @@ class LLMEngine:
         self._rates = collections.deque()  # (time, prefill tokens, decode tokens)
         self.totals = collections.Counter()
         self.history = MetricsHistory(config.metrics_interval_steps)
+        self._step_observers: list = []
 
     def _build_device_side(self, params) -> tuple[ModelRunner, Scheduler]:
         """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""
@@ -195,20 +196,64 @@ class LLMEngine:
         self._aborted.append(request)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether stepping has anything to do (parked requests wait for ``resume`` and do not count)."""
         return bool(self.scheduler.has_work() or self._in_flight or self._aborted)
+
+    def park(self, request_ids):
+        """Take running requests out of scheduling without freeing anything: each keeps its pages, KV and rows
+        (and is never preempted) until ``resume``; a token already in flight is still read back. A benchmark
+        holds prefilled requests this way until their batch decodes; a server could pause a client. Raises
+        ``ValueError`` (and parks none) unless every id is a running request."""
+        for request in self._requests_in(request_ids, RequestStatus.RUNNING):
+            self.scheduler.park(request)
+
+    def resume(self, request_ids):
+        """Schedule parked requests again, in the order given, after the running ones."""
+        for request in self._requests_in(request_ids, RequestStatus.PARKED):
+            self.scheduler.resume(request)
+
+    def _requests_in(self, request_ids, status: RequestStatus) -> list[Request]:
+        requests = [self.requests.get(request_id) for request_id in request_ids]
+        wrong = [i for i, r in zip(request_ids, requests) if r is None or r.status is not status]
+        if wrong:
+            raise ValueError(f"request_ids: {wrong} are not {status.value} requests")
+        return requests
 
     # -- the loop --------------------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that advanced (or, with ``only_finished``, that ended:
         offline batches skip building cumulative outputs, which costs O(length) per request and step)."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
         handles = self.runner.execute(scheduled)
+        dispatched_at = time.perf_counter()
         self.totals["compressions"] += len(scheduled.compressions)
         for handle in handles:
             for request in handle.requests:
                 if request is not None:
                     request.add_pending()
-        changed = self._read_back(self._in_flight)
+        changed, read_back_s = self._collect(handles)
+        self.totals["steps"] += 1
+        self.history.maybe_sample(self)
+        outputs = [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
+        if self._step_observers:
+            record = StepRecord(scheduled, schedule_s=scheduled_at - start, dispatch_s=dispatched_at - scheduled_at,
+                                read_back_s=read_back_s, step_s=time.perf_counter() - start)
+            for observer in list(self._step_observers):
+                observer(record)
+        return outputs
+
+    def drain(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Read back the steps in flight without scheduling or dispatching anything: afterwards every token
+        sampled so far is known on the host. Returns the outputs that changed, as ``step`` does."""
+        changed, _ = self._collect([])
+        return [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
+
+    def _collect(self, handles) -> tuple[dict[str, Request], float]:
+        """Read back the steps in flight (``handles`` are in flight next); returns the requests that changed and the
+        seconds spent waiting for their results."""
+        changed, read_back_s = self._read_back(self._in_flight)
         self._in_flight = handles
         for request in self._aborted:
             changed[request.request_id] = request
@@ -216,14 +261,12 @@ class LLMEngine:
         for request in changed.values():
             if request.status.finished:
                 request.drop_pending()
-        self.totals["steps"] += 1
-        self.history.maybe_sample(self)
-        return [self._output(r) for r in changed.values() if r.status.finished or not only_finished]
+        return changed, read_back_s
 
-    def _read_back(self, handles) -> dict[str, Request]:
-        changed = {}
-        now = time.perf_counter()
+    def _read_back(self, handles) -> tuple[dict[str, Request], float]:
+        changed, waited = {}, 0.0
         for handle in handles:
+            start = time.perf_counter()
             for part in handle.prompt_logprobs:
                 ids, values = part.result()
                 for row, (request, position) in enumerate(zip(part.requests, part.positions)):
@@ -231,13 +274,15 @@ class LLMEngine:
                         request.prompt_logprobs[position] = self._logprob_dict(
                             ids[row], values[row], request.sampling_params.prompt_logprobs)
             ids, values = handle.result()
+            now = time.perf_counter()
+            waited += now - start
             self._count(now, handle)
             for row, request in enumerate(handle.requests):
                 if request is None or request.status.finished:
                     continue
                 self._accept(request, ids[row], values[row])
                 changed[request.request_id] = request
-        return changed
+        return changed, waited
 
     def _logprob_dict(self, ids, values, num_top: int) -> dict:
         """{token: Logprob} of one row of the device's logprob layout (``layers.logprobs``): the row's token
@@ -366,6 +411,19 @@ class LLMEngine:
     def metrics_history(self) -> list[dict]:
         """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
         return list(self.history.samples)
+
+    def reset_metrics_history(self):
+        """Start the metrics history and the time shares of ``metrics()`` afresh from now (a benchmark's
+        workload after its warm-up): earlier samples are dropped, rates and shares count from here."""
+        self.history.reset(self)
+
+    def add_step_observer(self, observer):
+        """Call ``observer(StepRecord)`` after every ``step``: what the scheduler decided and where the step's host
+        time went (benchmarks time steps this way; a server could log slow ones)."""
+        self._step_observers.append(observer)
+
+    def remove_step_observer(self, observer):
+        self._step_observers.remove(observer)
 
     def warmup(self, progress=None, stop=None) -> dict:
         """Compile every shape bucket now (in parallel), so no request waits on a compile later.

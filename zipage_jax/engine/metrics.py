@@ -1,7 +1,22 @@
-"""Scheduler state over time, sampled from the step loop (``LLMEngine.metrics_history``)."""
+"""What the step loop reports about itself: scheduler state over time (``LLMEngine.metrics_history``) and one
+record per step for step observers (``LLMEngine.add_step_observer``)."""
 
 import collections
+import dataclasses
 import time
+
+from zipage_jax.core.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step: what the scheduler decided and where the step's host time went (seconds)."""
+
+    scheduled: SchedulerOutput
+    schedule_s: float  # Scheduler.schedule()
+    dispatch_s: float  # runner.execute(): packing the inputs and dispatching the device work
+    read_back_s: float  # blocked waiting for the previous step's sampled tokens
+    step_s: float  # the whole step() call; step_s - read_back_s is the host's own time
 
 
 class MetricsHistory:
@@ -13,12 +28,22 @@ class MetricsHistory:
         self.interval = interval
         self.samples = collections.deque(maxlen=self.MAX_SAMPLES)
         self.start = time.perf_counter()
+        self._start_compression = 0.0  # compression seconds at start
         self._last = (self.start, 0, 0.0)  # time, decode tokens, compression seconds
         self._steady = (self.start, 0.0, 0.0)  # time, compression seconds, compile wall seconds
 
+    def reset(self, engine):
+        """Start afresh now: no samples; rates and time shares (steady state too) count from here."""
+        self.samples.clear()
+        self.start = time.perf_counter()
+        self._start_compression = engine.runner.compression_seconds
+        self._last = (self.start, engine.totals["decode_tokens"], engine.runner.compression_seconds)
+        self.mark_steady(engine)
+
     def compression_share(self, engine) -> float:
-        """Device seconds spent compressing per wall second since the engine started."""
-        return engine.runner.compression_seconds / max(time.perf_counter() - self.start, 1e-9)
+        """Device seconds spent compressing per wall second since the engine started (or the history was reset)."""
+        compressing = engine.runner.compression_seconds - self._start_compression
+        return compressing / max(time.perf_counter() - self.start, 1e-9)
 
     def mark_steady(self, engine):
         """Steady state starts now (the end of warm-up): what came before is start-up."""

@@ -239,6 +239,8 @@ class ModelRunner:
                                      donate_argnames=("state",))
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)
         self.compression_seconds = 0.0  # device time of the compressions dispatched (measured or estimated)
+        self.last_decode_key = None  # program key of the last decode step (``programs.compiled``: its HLO)
+        self._last_decode = None  # its host inputs, requests and rows (``replay_last_decode``)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
         self.replicated = parallel.replicated(mesh)  # where each step's packed integers go
         self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
@@ -298,7 +300,28 @@ class ModelRunner:
                                                              jax.device_put(packed, self.replicated))
         ids.copy_to_host_async()
         values.copy_to_host_async()
+        if kind == "decode":
+            self.last_decode_key, self._last_decode = program.key, (inputs, requests, bucket)
         return StepHandle(requests, ids, values, kind, num_tokens), (hidden[0] if hidden else None)
+
+    def replay_last_decode(self) -> jax.Array:
+        """Dispatch the last decode step again and return its sampled tokens (block on them): one step's device
+        time with no host work around it, for benchmarks and profiles. The input tokens that step read on the
+        device are known on the host by now (read back with it) and are fed as such, so the replay rewrites what
+        the step wrote (its KV slots; its token-buffer rows, the same tokens unless penalties apply); valid until
+        the next step changes pages or rows."""
+        if self._last_decode is None:
+            raise RuntimeError("replay_last_decode: no decode step was dispatched yet")
+        inputs, requests, rows = self._last_decode
+        batch = inputs["batch"]
+        tokens = np.array(batch.tokens)
+        for row in np.flatnonzero(inputs["from_buffer"]):
+            tokens[row] = requests[row].token_at(int(batch.positions[row]))
+        inputs = dict(inputs, batch=batch.replace(tokens=tokens), from_buffer=np.zeros(rows, bool))
+        program, packed = self._step_program(inputs, "decode", rows)
+        self.state, ids, *_ = self.programs.run(program, self.params, self.state,
+                                                jax.device_put(packed, self.replicated))
+        return ids
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _decode_inputs(self, requests, rows: int, force_sampled: bool = False) -> dict:

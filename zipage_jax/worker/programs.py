@@ -48,6 +48,7 @@ class Programs:
         # where that time went: loading stored executables, tracing and lowering (serial, holds the GIL), and
         # compiling (summed over the parallel compiles, so it may exceed the wall time)
         self.load_s = self.lower_s = self.compile_s = 0.0
+        self.call_s = 0.0  # wall time inside compiled calls: their dispatch, and any wait the runtime imposes there
 
     @property
     def compiling_unused(self) -> bool:
@@ -66,7 +67,10 @@ class Programs:
         if compiled is None:
             self.compile_all([program])
             compiled = self._compiled[program.key]
-        return compiled(*args)
+        start = time.perf_counter()
+        out = compiled(*args)
+        self.call_s += time.perf_counter() - start
+        return out
 
     def compile_all(self, programs: list[Program], progress=None, stop: concurrent.futures.Future | None = None):
         """Compile the programs not compiled yet (those the store keeps are loaded instead), in parallel, calling

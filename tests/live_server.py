@@ -1,0 +1,80 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, for the tests that speak HTTP to it: it is
+ready when its startup event fires, and every client of it waits as long as ``waiting.HANG_S``."""
+
+import contextlib
+import dataclasses
+import re
+import socket
+import threading
+
+import httpx
+import openai
+import uvicorn
+
+from waiting import HANG_S
+from zipage_jax.entrypoints.api_server import create_app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with an event for the end of its startup (or of its run, had the startup failed)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.startup_done = threading.Event()
+
+    async def startup(self, sockets=None):
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.startup_done.set()
+
+
+@dataclasses.dataclass
+class Live:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, api_key="unused", **kw):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=HANG_S, **kw)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=HANG_S, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", timeout=HANG_S, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = self.get("/metrics").text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(HANG_S)
+        assert not self.thread.is_alive(), "server did not shut down"
+
+
+@contextlib.contextmanager
+def live_server(engine, *, grace_s: float = 1.0, **app_kwargs):
+    """Serve ``create_app(engine, **app_kwargs)`` until the block ends."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = _Server(uvicorn.Config(create_app(engine, **app_kwargs), log_level="warning", lifespan="on",
+                                    timeout_graceful_shutdown=grace_s))
+
+    def run():
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.startup_done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert server.startup_done.wait(HANG_S) and server.started, "server did not start"
+    live = Live(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
+    try:
+        yield live
+    finally:
+        if thread.is_alive():
+            live.stop()
+        sock.close()
