@@ -306,3 +306,22 @@ def test_the_engine_sets_the_allocator_before_the_backend_starts_and_a_users_set
     assert users["at_start"] == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     assert users["after"] == users["at_start"]
     assert users["allocator"] == {"fraction": 0.5, "source": "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5", "user_set": True}
+
+
+def test_the_plan_counts_the_weights_from_the_engines_arrays_so_every_start_plans_alike(caplog):
+    """The allocator's bytes in use move by tens of MB between starts (transient buffers of the weight load); the
+    plan counts the weights from their arrays instead, so the pool and every program's shapes (the executable
+    store's keys) repeat. What else is in use comes out of the headroom, warned about when it is large."""
+    weights = 16_000_000_000
+    plans = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, device=FakeDevice(H100, weights + extra),
+                                  allocator=OURS, weights_bytes=weights)
+             for extra in (0, 37_000_000, 61_000_000)]
+    assert len({(p.budget_bytes, p.num_pages, p.num_query_rows) for p in plans}) == 1
+    assert plans[0].weights_bytes == weights
+    moved = kv_cache.plan_memory(config(), CFG, jnp.float32, 256, device=FakeDevice(H100, weights + 61_000_000),
+                                 allocator=OURS)
+    assert moved.budget_bytes == plans[0].budget_bytes - 61_000_000  # reading bytes_in_use: the pool moves with it
+    with caplog.at_level("WARNING", logger="zipage_jax.worker.device_memory"):
+        kv_cache.plan_memory(config(), CFG, jnp.float32, 256, device=FakeDevice(H100, weights + 2**30 + 1),
+                             allocator=OURS, weights_bytes=weights)
+    assert "headroom" in caplog.text

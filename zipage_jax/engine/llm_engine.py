@@ -118,8 +118,11 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
+        device = jax.local_devices()[0]
+        weights_bytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
+                            for shard in leaf.addressable_shards if shard.device == device)
         self.memory_plan = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend,
-                                                    allocator=self.allocator)
+                                                    allocator=self.allocator, weights_bytes=weights_bytes)
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile)

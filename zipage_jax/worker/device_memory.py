@@ -95,17 +95,27 @@ def start_backend(utilization: float):
                 utilization, f"set by an earlier engine to its gpu_memory_utilization={utilization}")
 
 
-def read(device, utilization: float, allocator: Allocator | None = None) -> DeviceMemory | None:
+def read(device, utilization: float, allocator: Allocator | None = None,
+         weights_bytes: int | None = None) -> DeviceMemory | None:
     """The device's memory and the engine's share of it; None where the device reports no limit (CPU).
 
     The share is ``utilization`` of the card, capped by what the allocator may hold: a user's smaller fraction
     is logged, a smaller one that the engine could not set (the backend started first) is warned about.
+    ``weights_bytes``: what the engine's weights take on this device, counted from its arrays; the plan then
+    reads it instead of the allocator's ``bytes_in_use``, which moves by tens of MB from one start to the next, so
+    the pool, and with it every program's shapes (the executable store's keys), is the same at every start.
     """
     stats = device.memory_stats()
     if not stats or not stats.get("bytes_limit"):
         return None
     allocator = allocator or current()
     limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    if weights_bytes is not None:
+        if in_use > weights_bytes + HEADROOM_BYTES // 2:
+            log.warning("%.2f GiB are in use on %s beside the engine's %.2f GiB of weights: they come out of the "
+                        "%.1f GiB headroom", (in_use - weights_bytes) / 2**30, device, weights_bytes / 2**30,
+                        HEADROOM_BYTES / 2**30)
+        in_use = weights_bytes
     card = int(round(limit / allocator.fraction))
     if utilization > allocator.fraction + 1e-6:
         message = ("jax's allocator holds %.0f%% of the %.1f GiB card (%s), less than gpu_memory_utilization=%s: "

@@ -72,11 +72,12 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int,
                 backend: attention.AttentionBackend = attention.REFERENCE, device=None,
-                allocator: device_memory.Allocator | None = None) -> MemoryPlan:
+                allocator: device_memory.Allocator | None = None, weights_bytes: int | None = None) -> MemoryPlan:
     """Pool size, query rows ``C`` and concurrency from the memory budget (docs/ARCHITECTURE.md, Memory plan).
 
     From the device (the default): the engine's share of the card (``gpu_memory_utilization`` of it, within the
-    allocator's limit: ``device_memory.read``) less what is allocated (the weights) and a headroom; from it the
+    allocator's limit: ``device_memory.read``) less what is allocated (the weights: ``weights_bytes``, counted from
+    the engine's arrays, else what the allocator has in use) and a headroom; from it the
     peak scratch of the largest step and of the largest compression batch (plus one request's swap staging) is
     reserved first, so a full pool never leaves a step without room. ``C = available / (page_bytes * (M + 1) +
     query_row_bytes)``: every query-row holder can reach its steady state of ``M + 1`` pages; requests without a
@@ -104,7 +105,8 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
         comp = compression_scratch_bytes(model_cfg, config, dtype, max_comp, backend.fused_compression)
     swap = (M + 1) * per_page + row_bytes if config.compression else 0
     scratch = step + comp + swap
-    memory = device_memory.read(device or jax.local_devices()[0], config.gpu_memory_utilization, allocator)
+    memory = device_memory.read(device or jax.local_devices()[0], config.gpu_memory_utilization, allocator,
+                                weights_bytes)
     reserved = 0  # scratch is reserved from a budget taken from the device only
     if config.num_gpu_pages_override is not None:
         budget, source = None, "num_gpu_pages_override"
