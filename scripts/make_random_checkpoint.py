@@ -5,13 +5,13 @@
 With torch (the GPU machine has it) the model is built on the GPU in bf16 and saved with ``save_pretrained``
 (Qwen3-8B: 16.4 GB in about 20 s); without it, random Params from jax are exported (small shapes: the export
 holds the model in f32 on the host). ``--num-layers`` trims the layer count (a few hundred MB for CPU runs). The
-tokenizer is the shipped model's, so prompts are best given as token ids.
+tokenizer has one word per id, so whatever the model samples decodes to text.
 """
 
 import argparse
 import dataclasses
 import importlib.util
-import shutil
+import json
 import time
 from pathlib import Path
 
@@ -34,9 +34,23 @@ def main():
         export_from_jax(shape, args.out)
     else:
         save_from_torch(shape, args.out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(DEFAULT_MODEL) / name, args.out)
+    save_tokenizer(shape.vocab_size, args.out)
     print(f"{args.model_shape} checkpoint written to {args.out} in {time.perf_counter() - start:.1f}s")
+
+
+def save_tokenizer(vocab_size: int, out):
+    """A tokenizer with one word per id (``<t17>`` is id 17), so any id the random model samples decodes to
+    text and a server streams a chunk for every token, as with a real vocabulary; the shipped model's chat
+    template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = json.loads((Path(DEFAULT_MODEL) / "tokenizer_config.json").read_text()).get("chat_template")
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<t2>", unk_token="<t0>",
+                            chat_template=template).save_pretrained(out)
 
 
 def arch(shape) -> dict:

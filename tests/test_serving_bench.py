@@ -68,3 +68,24 @@ def test_bad_arguments_raise(url):
         bench.main(["serving", "--url", url, "--rates", "0", *COMMON])
     with pytest.raises(ValueError, match="cancel_prob"):
         bench.main(["serving", "--url", url, "--cancel-prob", "2", *COMMON])
+
+
+def test_closed_loop_streams_and_the_offline_engine_run_the_same_requests(url, tmp_path):
+    """``--concurrency N``: N streams keep every request of the workload in flight until it has run, each counted
+    once; ``--offline``: the same requests through the in-process engine give the same token count (the ceiling
+    the server is compared with)."""
+    report, _ = bench.main(["serving", "--url", url, "--rates", "--requests", "7", "--concurrency", "3",
+                            "--slo-ttft", "1e9", "--slo-tpot", "1e9", *COMMON])
+    (row,) = report["concurrency"]
+    total = report["workload"]["output_tokens_total"]
+    assert row["concurrency"] == 3 and row["requests"] == row["completed"] == 7 and row["errors"] == 0
+    assert row["output_tokens_per_s"] * row["wall_s"] == pytest.approx(total)
+    assert serving.format_rate(row).startswith("concurrency 3: 7/7 done")
+    offline, _ = bench.main(["serving", "--offline", "--model", TINY_MODEL, "--requests", "7", "--concurrency", "3",
+                             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--dtype", "float32",
+                             "--compilation-cache-dir", "none", *COMMON])
+    (run,) = offline["concurrency"]
+    assert offline["workload"] == report["workload"]  # the same requests
+    assert run["requests"] == 7 and run["output_tokens"] == total and run["compiles_after_warmup"] == 0
+    with pytest.raises(ValueError, match="concurrency"):
+        bench.main(["serving", "--url", url, "--concurrency", "0", *COMMON])

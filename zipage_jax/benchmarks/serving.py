@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from zipage_jax.benchmarks.throughput import WORKLOADS, make_workload
+from zipage_jax.config import DEFAULT_MODEL, add_engine_options, engine_kwargs
 
 PERCENTILES = (50, 90, 99)
 
@@ -125,7 +126,55 @@ async def drive(url: str, model: str, prompts, max_tokens, rate: float, seed: in
         return [t.result() for t in tasks], time.perf_counter() - start
 
 
-def summarize(results: list[dict], wall: float, rate: float, slo_ttft: float, slo_tpot: float) -> dict:
+async def drive_closed(url: str, model: str, prompts, max_tokens, concurrency: int) -> tuple[list[dict], float]:
+    """Closed loop, as vLLM's benchmark runs with ``--max-concurrency``: ``concurrency`` streams, each sending the
+    next request as soon as its last one ends, until every request has run. Returns (results, wall s)."""
+    import httpx
+
+    queue = iter(range(len(prompts)))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        async def stream():
+            for k in queue:  # one shared iterator: each request runs once
+                results.append(await one_request(client, url, model, prompts[k], max_tokens[k], None))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(stream() for _ in range(min(concurrency, len(prompts)))))
+        return results, time.perf_counter() - start
+
+
+def offline(workload, engine_options: dict, concurrency: int) -> dict:
+    """The same requests through the in-process engine (``LLMEngine``, warmed up first), at most ``concurrency``
+    unfinished at a time as the closed-loop clients keep them: the server's ceiling, without HTTP, SSE or
+    detokenization. Output tokens per second from the first request to the last token."""
+    from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_kwargs(**engine_options)
+    engine.warmup()
+    compiles = engine.metrics()["num_compiles"]
+    pending = list(zip(workload.prompts, workload.max_tokens))
+    running, done, tokens, next_id = set(), 0, 0, 0
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < concurrency:
+            prompt, max_tokens = pending.pop(0)
+            engine.add_request(f"offline-{next_id}", prompt,
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            running.add(f"offline-{next_id}")
+            next_id += 1
+        for out in engine.step(only_finished=True):
+            running.discard(out.request_id)
+            done += 1
+            tokens += len(out.outputs[0].token_ids)
+    wall = time.perf_counter() - start
+    return dict(concurrency=concurrency, requests=done, output_tokens=tokens, wall_s=wall,
+                output_tokens_per_s=tokens / wall,
+                compiles_after_warmup=engine.metrics()["num_compiles"] - compiles)
+
+
+def summarize(results: list[dict], wall: float, rate: float | None, slo_ttft: float, slo_tpot: float) -> dict:
     done = [r for r in results if r["e2e"] is not None]
     good = [r for r in done if r["ttft"] <= slo_ttft and (r["tpot"] is None or r["tpot"] <= slo_tpot)]
     output = sum(r["tokens"] or 0 for r in done)
@@ -193,6 +242,14 @@ async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
 def add_arguments(parser):
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="requests per second")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[],
+                        help="closed-loop runs, as vLLM's --max-concurrency: this many streams, each sending its next "
+                             "request when its last one ends, over the workload's requests")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="with --offline: the checkpoint to serve (default: the "
+                                                               "shipped model)")
+    parser.add_argument("--offline", action="store_true",
+                        help="instead of a server: the same requests through the in-process engine built from the "
+                             "engine options below, at each --concurrency (the server's ceiling)")
     parser.add_argument("--requests", type=int, default=64, help="requests per rate")
     parser.add_argument("--workload", choices=WORKLOADS, default="reasoning")
     parser.add_argument("--page-size", type=int, default=16,
@@ -211,6 +268,7 @@ def add_arguments(parser):
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
+    parser.set_defaults(engine_fields=add_engine_options(parser, exclude=("page_size", "max_model_len", "seed")))
 
 
 def main(args) -> dict:
@@ -221,18 +279,30 @@ def main(args) -> dict:
         raise ValueError(f"rates: must be > 0 (got {args.rates})")
     if not 0 <= args.cancel_prob <= 1:
         raise ValueError(f"cancel_prob: must be in [0, 1] (got {args.cancel_prob})")
+    if any(c <= 0 for c in args.concurrency):
+        raise ValueError(f"concurrency: must be > 0 (got {args.concurrency})")
+    if args.offline:
+        return main_offline(args)
     url = args.url.rstrip("/")
     card = asyncio.run(served_model(url))
     model = card["id"]
     w = make_workload(args.workload, args.requests, args.budget_tokens, args.page_size, args.vocab_size,
                       args.max_model_len or card["max_model_len"], args.seed)
     report = dict(benchmark="serving", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), url=url, model=model,
-                  workload=w.summary(), slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), rates=[], soak=None)
+                  workload=w.summary(), slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), rates=[],
+                  concurrency=[], soak=None)
 
     def write():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
+
+    for concurrency in args.concurrency:
+        results, wall = asyncio.run(drive_closed(url, model, w.prompts, w.max_tokens, concurrency))
+        row = dict(summarize(results, wall, None, args.slo_ttft, args.slo_tpot), concurrency=concurrency)
+        report["concurrency"].append(row)
+        print(format_rate(row), flush=True)
+        write()
 
     for rate in args.rates:
         results, wall = asyncio.run(drive(url, model, w.prompts, w.max_tokens, rate, args.seed))
@@ -252,11 +322,33 @@ def main(args) -> dict:
     return report
 
 
+def main_offline(args) -> dict:
+    """``--offline``: the workload through the in-process engine at each ``--concurrency``."""
+    if args.max_model_len is None:
+        raise ValueError("max_model_len: --offline needs it (a server reports its own)")
+    options = dict(engine_kwargs(args, args.engine_fields), model=args.model, page_size=args.page_size, max_model_len=args.max_model_len,
+                   seed=args.seed)
+    w = make_workload(args.workload, args.requests, args.budget_tokens, args.page_size, args.vocab_size,
+                      args.max_model_len, args.seed)
+    report = dict(benchmark="serving-offline", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  engine_options=options, workload=w.summary(), concurrency=[])
+    for concurrency in args.concurrency or [options.get("max_num_seqs", 256)]:
+        row = offline(w, options, concurrency)
+        report["concurrency"].append(row)
+        print(f"offline, concurrency {concurrency}: {row['requests']} requests, {row['output_tokens_per_s']:.1f} "
+              f"output tok/s over {row['wall_s']:.1f}s; {row['compiles_after_warmup']} compiles", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
 def format_rate(r: dict) -> str:
     def ms(d, key):
         return "-" if d[key] is None else f"{d[key] * 1e3:.0f}"
 
-    return (f"rate {r['rate']:g}/s: {r['completed']}/{r['requests']} done, {r['errors']} errors, "
+    load = f"rate {r['rate']:g}/s" if r.get("rate") is not None else f"concurrency {r['concurrency']}"
+    return (f"{load}: {r['completed']}/{r['requests']} done, {r['errors']} errors, "
             f"{r['output_tokens_per_s']:.1f} tok/s, goodput {r['goodput']:.2f} req/s | TTFT ms p50/p90/p99 "
             f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p90')}/{ms(r['ttft_s'], 'p99')} | ITL "
             f"{ms(r['itl_s'], 'p50')}/{ms(r['itl_s'], 'p90')}/{ms(r['itl_s'], 'p99')} | e2e "
