@@ -12,8 +12,9 @@ CKPT=${CKPT:-/tmp/qwen3-8b}
 run() {  # label, tree, mode, cache directory
   local label=$1 tree=$2 mode=$3 cache=$4 options=()
   [ "$mode" = compressed ] && options=(--compression)
-  PYTHONPATH=$tree timeout "${RUN_TIMEOUT:-240}" python3 -m zipage_jax.bench startup --model "$CKPT" "${options[@]}" \
-    --compilation-cache-dir "$cache" --workload 8 --json "$OUT/startup.jsonl" > "$OUT/$label.log" 2>&1
+  # from inside the tree: `python -m` puts the working directory first on the path, ahead of PYTHONPATH
+  (cd "$tree" && PYTHONPATH=. timeout "${RUN_TIMEOUT:-240}" python3 -m zipage_jax.bench startup --model "$CKPT" \
+    "${options[@]}" --compilation-cache-dir "$cache" --workload 8 --json "$OUT/startup.jsonl") > "$OUT/$label.log" 2>&1
   echo "$label: $(grep -E 'ready in' "$OUT/$label.log" | tail -1)$(grep -E 'Error' "$OUT/$label.log" | tail -1)"
   grep -E "KV pool" "$OUT/$label.log" | head -1 | cut -c1-400
 }
