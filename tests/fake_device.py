@@ -73,7 +73,7 @@ class FakeDevice:
         self.last_output = out
         return handles
 
-    def warmup(self, progress=None) -> dict:
+    def warmup(self, progress=None, stop=None) -> dict:
         return dict(programs=0, compile_s=0.0)
 
     @staticmethod

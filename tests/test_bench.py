@@ -144,15 +144,17 @@ def documented_bench_commands():
 
 
 def test_documented_bench_commands_parse():
-    from zipage_jax.benchmarks import cli, sweep
+    from zipage_jax.benchmarks import cli, sweep, ttft
 
     commands = documented_bench_commands()
-    assert {argv[0] for _, argv in commands} >= {"decode", "scheduling", "throughput", "serving", "startup", "sweep"}
+    assert {argv[0] for _, argv in commands} >= {"decode", "scheduling", "throughput", "serving", "startup", "sweep",
+                                                 "ttft"}
+    own = {"sweep": sweep.build_parser()[0], "ttft": ttft.build_parser()}  # command lines of their own
     for where, argv in commands:
         if argv[0] == "compression":
             continue  # its own kernel-level command line (tests/test_compression_bench.py)
-        parser = sweep.build_parser()[0] if argv[0] == "sweep" else cli.build_parser()
+        parser = own.get(argv[0], cli.build_parser())
         try:
-            parser.parse_args(argv[1:] if argv[0] == "sweep" else argv)
+            parser.parse_args(argv[1:] if argv[0] in own else argv)
         except SystemExit:
             raise AssertionError(f"{where}: python -m zipage_jax.bench {' '.join(argv)}") from None

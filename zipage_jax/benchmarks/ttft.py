@@ -126,7 +126,7 @@ def comparisons(results: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench ttft", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
@@ -141,7 +141,11 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     print(f"ttft benchmark: {args.model_shape}, {args.prompt_len}-token prompt on {jax.devices()[0].device_kind}",
           flush=True)
     print(HEADER, flush=True)

@@ -321,7 +321,7 @@ class ModelRunner:
         program, packed = self._step_program(inputs, "decode", rows)
         self.state, ids, *_ = self.programs.run(program, self.params, self.state,
                                                 jax.device_put(packed, self.replicated))
-        return ids
+        return ids[:, 0]  # the sampled tokens (``layers.logprobs``: each row's token first)
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _decode_inputs(self, requests, rows: int, force_sampled: bool = False) -> dict:
