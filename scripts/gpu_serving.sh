@@ -5,6 +5,7 @@
 # requests), request rates, a soak with client cancellations; then full KV at the same rates. A small KV pool
 # (POOL bytes) puts full KV under the memory pressure that long reasoning outputs bring.
 #   OUT=/tmp/out bash scripts/gpu_serving.sh
+#   OUT=/tmp/out STAGE=streams bash scripts/gpu_serving.sh   # only the closed-loop streams against the offline engine
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -37,13 +38,14 @@ stop() { kill -INT $SERVER; wait $SERVER; }
 
 if serve compressed --compression --kv-budget-pages "$BUDGET"; then
   bench compressed_streams 120 --rates --requests "$STREAMS" --concurrency "$STREAMS"
-  bench compressed_rates 150 --rates ${RATES:-4 8 16} --requests "$REQUESTS"
-  bench compressed_soak 120 --rates --requests "$REQUESTS" --soak ${SOAK:-45} --soak-rate 8 --cancel-prob 0.3 \
+  [ "${STAGE:-all}" = streams ] || bench compressed_rates 150 --rates ${RATES:-4 8 16} --requests "$REQUESTS"
+  [ "${STAGE:-all}" = streams ] || bench compressed_soak 120 --rates --requests "$REQUESTS" --soak ${SOAK:-45} --soak-rate 8 --cancel-prob 0.3 \
     --server-pid $SERVER --drain-timeout 60
   stop
 fi
 bench offline_streams 150 --offline "${engine[@]}" --compression --kv-budget-pages "$BUDGET" --requests "$STREAMS" \
   --concurrency "$STREAMS"
+[ "${STAGE:-all}" = streams ] && exit 0
 if serve full; then
   bench full_rates 150 --rates ${RATES:-4 8 16} --requests "$REQUESTS"
   stop

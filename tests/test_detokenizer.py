@@ -22,18 +22,28 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def test_one_by_one_and_batched_equal_full_decode(byte_level_tokenizer):
+class DecodeOnly:
+    """The tokenizer seen through ``decode`` alone, as a slow tokenizer is: the windowed path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("path", ["decode stream", "windowed decode"])
+def test_one_by_one_and_batched_equal_full_decode(byte_level_tokenizer, path):
     rng = seeded_rng()
     text = " ".join(rng.choice(" ".join(CORPUS).split(), size=40))
     prompt = byte_level_tokenizer.encode("déjà vu: ")
     output = byte_level_tokenizer.encode(text)
     want = byte_level_tokenizer.decode(output)
     assert any("\ufffd" in byte_level_tokenizer.decode([t]) for t in output)  # some tokens are partial UTF-8
-    single = IncrementalDetokenizer(byte_level_tokenizer, prompt)
+    detokenizing = byte_level_tokenizer if path == "decode stream" else DecodeOnly(byte_level_tokenizer)
+    single = IncrementalDetokenizer(detokenizing, prompt)
+    assert (single._rust is not None) == (path == "decode stream")
     pieces = [single.add(t) for t in output]
     assert "".join(pieces) == single.text == want
     assert not any("\ufffd" in p for p in pieces)  # partial UTF-8 is held back, never emitted
-    batched = IncrementalDetokenizer(byte_level_tokenizer, prompt)
+    batched = IncrementalDetokenizer(detokenizing, prompt)
     cuts = sorted(rng.choice(np.arange(1, len(output)), size=4, replace=False))
     for a, b in zip([0, *cuts], [*cuts, len(output)]):
         batched.extend(output[a:b])

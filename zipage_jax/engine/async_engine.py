@@ -16,6 +16,7 @@ import time
 log = logging.getLogger(__name__)
 
 FAILURE_BACKOFF_S = 0.05  # pause after an engine exception so a persistent fault cannot spin the CPU
+METRICS_INTERVAL_S = 0.25  # the loop thread refreshes /metrics' numbers at most this often while busy
 MAX_SHUTDOWN_STEPS = 10_000  # steps allowed to retire aborted requests when stopping
 
 
@@ -111,6 +112,7 @@ class AsyncEngine:
         self.rejected = 0
         self.step_failures = 0
         self.metrics: dict = {}  # latest engine.metrics(), published by the loop thread
+        self._metrics_at = 0.0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # loop-thread side
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,11 +188,20 @@ class AsyncEngine:
                     self._execute(command)
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self.metrics = self.engine.metrics()
+                self._publish_metrics()
             except Exception:  # a bug outside engine.step: fail what is in flight, keep serving
                 log.exception("engine loop error")
                 self._fail_all("internal engine error")
                 time.sleep(FAILURE_BACKOFF_S)
+
+    def _publish_metrics(self):
+        """``engine.metrics()`` for /metrics, at most every ``METRICS_INTERVAL_S`` while busy (it sums the rate
+        window on the loop thread, between the steps that keep the device fed) and always once the engine idles,
+        so a scrape after the load sees it drained."""
+        now = time.monotonic()
+        if self.engine.has_unfinished_requests() and now - self._metrics_at < METRICS_INTERVAL_S:
+            return
+        self.metrics, self._metrics_at = self.engine.metrics(), now
 
     def _warm_up(self):
         """Compile every program before serving; meanwhile ``startup`` says how far it got (for /health)."""

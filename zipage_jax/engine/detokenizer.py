@@ -1,4 +1,12 @@
-"""Incremental detokenization: decode only a short tail window per new token, not the whole output."""
+"""Incremental detokenization: decode only a short tail window per new token, not the whole output.
+
+A fast (Rust) tokenizer decodes through ``tokenizers``' own ``DecodeStream``, about ten times cheaper per token than
+two Python-level ``decode`` calls; the engine detokenizes every running request at every step of a server, so this
+is host time the device would otherwise wait for. Other tokenizers keep the windowed decode.
+"""
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
@@ -20,6 +28,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.num_added = 0  # output tokens seen so far
+        rust = getattr(tokenizer, "_tokenizer", None)
+        self._rust = rust if isinstance(rust, Tokenizer) else None
+        if self._rust is not None:
+            self._stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -31,8 +43,12 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids) -> str:
         """Append tokens (two decodes whatever their number); return the newly readable text."""
-        self.ids.extend(token_ids)
         self.num_added += len(token_ids)
+        if self._rust is not None:
+            new = "".join(piece for piece in (self._stream.step(self._rust, t) for t in token_ids) if piece)
+            self.text += new
+            return new
+        self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
