@@ -18,6 +18,7 @@ reported and checked against ``--rss-tolerance-mb``.
 """
 
 import asyncio
+import collections
 import json
 import re
 import time
@@ -154,12 +155,12 @@ def offline(workload, engine_options: dict, concurrency: int) -> dict:
     engine = LLMEngine.from_kwargs(**engine_options)
     engine.warmup()
     compiles = engine.metrics()["num_compiles"]
-    pending = list(zip(workload.prompts, workload.max_tokens))
+    pending = collections.deque(zip(workload.prompts, workload.max_tokens))
     running, done, tokens, next_id = set(), 0, 0, 0
     start = time.perf_counter()
     while pending or running:
         while pending and len(running) < concurrency:
-            prompt, max_tokens = pending.pop(0)
+            prompt, max_tokens = pending.popleft()
             engine.add_request(f"offline-{next_id}", prompt,
                                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             running.add(f"offline-{next_id}")

@@ -13,6 +13,7 @@ corrupt entry is never used.
 """
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ FORMAT = 1
 _DIGEST = hashlib.sha256().digest_size
 
 
+@functools.cache  # the sources do not change under a running process: hashed once, not per engine
 def source_fingerprint(*packages: str) -> str:
     """SHA-256 over the Python sources of ``packages`` (path and bytes of every ``.py`` file): a change of the code
     that builds a program changes every key."""

@@ -233,7 +233,7 @@ class ModelRunner:
         self._compress = jax.jit(functools.partial(_compress_step, cfg=self.scoring,
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
                                  static_argnames=("spec",), donate_argnames=("state",))
-        self._swap_history = history = config.tracks_history
+        history = config.tracks_history
         self._swap_gather = jax.jit(functools.partial(_swap_gather, history=history))
         self._swap_scatter = jax.jit(functools.partial(_swap_scatter, history=history),
                                      donate_argnames=("state",))
@@ -513,7 +513,7 @@ class ModelRunner:
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
         gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (self.state,) + index,
                          options=COMPILER_OPTIONS)
-        state = swapped_shapes(self.state, size, self._swap_history) if state is None else \
+        state = swapped_shapes(self.state, size, self.config.tracks_history) if state is None else \
             tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter,
                           (self.state,) + index + state, options=COMPILER_OPTIONS)
