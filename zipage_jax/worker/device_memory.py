@@ -129,3 +129,23 @@ def read(device, utilization: float, allocator: Allocator | None = None,
     share = limit if utilization >= allocator.fraction else int(utilization * card)
     return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, share_bytes=share,
                         allocator=allocator)
+
+
+def check_allocated(device, in_use_before: int | None, expected_bytes: int, what: str) -> int | None:
+    """Warn when allocating ``expected_bytes`` (``what``) moved the device's ``bytes_in_use`` by much less: two
+    arrays then share one buffer, and the first program that donates both allocates the missing one, after the
+    plan's headroom is spent. Returns the allocator's growth (None where the device reports none: CPU)."""
+    stats = device.memory_stats()
+    if in_use_before is None or not stats or "bytes_in_use" not in stats:
+        return None
+    grown = int(stats["bytes_in_use"]) - in_use_before
+    if grown < 0.9 * expected_bytes:
+        log.warning("%s: %.2f GiB allocated on %s where %.2f GiB were expected; the first step will allocate the "
+                    "rest", what, grown / 2**30, device, expected_bytes / 2**30)
+    return grown
+
+
+def in_use(device) -> int | None:
+    """The allocator's ``bytes_in_use`` on ``device``; None where the device reports none (CPU)."""
+    stats = device.memory_stats()
+    return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from zipage_jax import parallel
-from zipage_jax.worker import kv_cache
+from zipage_jax.worker import device_memory, kv_cache
 
 
 @flax.struct.dataclass
@@ -23,10 +23,17 @@ class DeviceState:
 
 
 def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
-    """The zeroed state, committed to its shardings (pools and caches over heads, the token buffer replicated)."""
+    """The zeroed state, committed to its shardings (pools and caches over heads, the token buffer replicated);
+    a pool the allocator did not really grow by is warned about (``device_memory.check_allocated``)."""
+    device = mesh.devices.flat[0]
+    before = device_memory.in_use(device)
     k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.page_size, dtype,
                                             parallel.kv_head_sharding(mesh))
     query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_rows,
                                                                    dtype, mesh)
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
-    return DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)
+    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)
+    per_device = sum(shard.data.nbytes for x in jax.tree.leaves(state) for shard in x.addressable_shards
+                     if shard.device == device)
+    device_memory.check_allocated(device, before, per_device, "the KV pool and caches")
+    return state

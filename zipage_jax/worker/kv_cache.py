@@ -188,12 +188,14 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
     """Zeroed K and V pools, created once on the device (optionally sharded over KV heads).
 
     Committed to their sharding, like the step outputs that replace them, so the first step does not compile
-    an executable of its own.
+    an executable of its own. One execution per pool: a single program returning two equal constants may hand
+    back one buffer for both (XLA's CSE), and the first step, donating both, then allocates the second pool
+    after warm-up has fragmented the free memory (on an 80 GB H100 the full-KV engine failed its first step).
     """
     pool_sharding = pool_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
-    make = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=pool_sharding)
-    return make()
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
+    return make(), make()
 
 
 def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
