@@ -8,7 +8,6 @@ copies the pool needs a second pool's worth of memory)."""
 import argparse
 import re
 
-import jax
 
 from zipage_jax import LLM
 
