@@ -22,7 +22,7 @@ from generation; the generation window starts when the requests are added and en
 ``--workload long-reasoning`` is the paper's regime: a KV budget of 2048 tokens (``--page-size 256
 --kv-budget-pages 8``, the workload's defaults unless the command line sets others), short prompts (a shared
 one-page system prefix plus a question of 1/8 to 1/2 page, as token ids), outputs log-normal with a mean of 7
-budgets before clipping at ``--max-model-len`` (32768; ~6.3 budgets after), run as a closed loop: ``--concurrency``
+budgets before clipping at ``--max-model-len`` (32768; ~6.4 budgets after), run as a closed loop: ``--concurrency``
 requests (default ``--max-num-seqs``) are kept in the engine, each one that finishes replaced by the next of
 4096 through ``add_request``, so the engine stays full for the whole window instead of draining a batch. Its
 steady window (``steady_window``) starts once the engine has generated one budget per concurrent request, or a
@@ -102,7 +102,7 @@ def make_workload(name: str, num_requests: int, budget_tokens: int, page_size: i
     - ``prefix``: four long shared prompts (4 pages each) plus a short question, outputs around one budget: the
       prefix cache matters;
     - ``long-reasoning``: the paper's regime: a shared system prefix (one page) plus a short question (1/8 to 1/2
-      page); outputs long-tailed with a mean of 7 budgets before clipping to ``max_model_len`` (~6.3 after: each
+      page); outputs long-tailed with a mean of 7 budgets before clipping to ``max_model_len`` (~6.4 after: each
       request is compressed dozens of times). Run as a closed loop (``run_mode``'s ``concurrency``).
     """
     if name not in WORKLOADS:
@@ -267,6 +267,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                 num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds))
         if time.perf_counter() >= stop:
             break
+    engine.drain(only_finished=True)  # the steps in flight when generation stopped
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
@@ -331,9 +332,9 @@ def format_steady(r: dict) -> str:
     """One line on a closed-loop run's steady window (or why it has none)."""
     w = r.get("steady")
     head = f"{r['mode']}: closed loop of {r['concurrency']}, {r['requests_added']} requests added, " \
-           f"{r['requests_finished']} finished"
+           f"{r['requests_finished']} finished, pool {r['kv_pages']} pages"
     if not w:
-        return head + f"; no steady window (fewer than {r.get('steady_skip_tokens')} tokens before the loop stopped)"
+        return head + f"; no steady window (fewer than {r.get('steady_skip_tokens')} tokens before it ended)"
     return (head + f"; steady window {w['start_s']:.1f}-{w['end_s']:.1f} s (after {w['skip_tokens']} tokens): "
             f"{w['tokens_per_s']:.1f} tok/s, running {w['running_mean']:.1f}, pages per running request "
             f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}")
@@ -391,6 +392,10 @@ def plot(report: dict, path: str):
         gen = [x["generated"] for x in h]
         rates = [(g1 - g0) / max(t1 - t0, 1e-9) for t0, t1, g0, g1 in zip(t, t[1:], gen, gen[1:])]
         rate.plot(t[1:], rates, c, label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
+        if r.get("steady"):  # the closed loop's steady window
+            w = r["steady"]
+            rate.axvspan(w["start_s"], w["end_s"], color=c, alpha=0.1,
+                         label=f"{r['mode']} steady window ({w['tokens_per_s']:.0f} tok/s)")
         conc.plot(t, [x.get("num_running", 0) for x in h], c, label=f"{r['mode']} running")
         conc.plot(t, [x.get("num_waiting", 0) for x in h], c, ls=":", label=f"{r['mode']} waiting")
         occ.plot(t, [x.get("page_occupancy", 0) for x in h], c, label=r["mode"])
