@@ -1,8 +1,9 @@
 """`python -m zipage_jax.bench throughput --small`: the CI smoke of the throughput campaign (tiny model, CPU), its
-report format, and the named workloads' shapes."""
+report format, the named workloads' shapes, and the long-reasoning closed loop and its steady window."""
 
 import argparse
 import json
+import time
 
 import numpy as np
 import pytest
@@ -14,10 +15,25 @@ from zipage_jax.benchmarks import throughput as throughput_bench
 
 
 @pytest.fixture(scope="module")
-def small_report(tmp_path_factory):
+def programs(tmp_path_factory):
+    """One executable store for the module's small runs: they share the engine shapes of --small, so the later run
+    (on the same worker) loads the earlier's programs instead of compiling them again (seconds, not tens)."""
+    return str(tmp_path_factory.mktemp("programs"))
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory, programs):
     out = tmp_path_factory.mktemp("throughput")
-    report, _ = bench.main(["throughput", "--small", "--json", str(out / "t.json"), "--png", str(out / "t.png")])
+    report, _ = bench.main(["throughput", "--small", "--json", str(out / "t.json"), "--png", str(out / "t.png"),
+                            "--compilation-cache-dir", programs])
     return report, out
+
+
+@pytest.fixture(scope="module")
+def long_reasoning_report(programs):
+    report, _ = bench.main(["throughput", "--small", "--workload", "long-reasoning",
+                            "--compilation-cache-dir", programs])
+    return report
 
 
 def test_small_run_reports_both_modes_in_the_documented_format(small_report, capsys):
@@ -60,6 +76,10 @@ def test_workloads_have_their_documented_shape(name):
     if name == "reasoning":
         assert mean >= 4 * budget and np.percentile(w.max_tokens, 99) > 3 * mean  # long-tailed
         assert len({tuple(p[:page]) for p in w.prompts}) == 1 and max(map(len, w.prompts)) < 2 * page
+    elif name == "long-reasoning":  # the paper's regime: outputs of >= 6 budgets on average, up to ~32k
+        assert mean >= 6 * budget and np.percentile(w.max_tokens, 99) > 2 * mean
+        assert max(w.max_tokens) > max_len - 2 * page and min(w.max_tokens) >= budget // 2
+        assert len({tuple(p[:page]) for p in w.prompts}) == 1 and max(map(len, w.prompts)) < page + page // 2
     elif name == "mixed":
         short, long = w.max_tokens[0::2], w.max_tokens[1::2]
         assert max(short) < budget // 2 and np.mean(long) >= 4 * budget
@@ -89,7 +109,7 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
 
 
 def test_admission_modes_run_compressed_under_that_admission_and_are_compared(monkeypatch):
-    built = []
+    built, calls = [], []
 
     class Engine:  # records the config each mode builds; run_mode is stubbed below
         def __init__(self, config, params=None):
@@ -97,6 +117,7 @@ def test_admission_modes_run_compressed_under_that_admission_and_are_compared(mo
 
     def run_mode(mode, make_engine, *args, **kwargs):
         make_engine(mode)
+        calls.append(kwargs)
         return dict(mode=mode, tokens_per_s={"compressed": 300.0, "compressed-hybrid": 200.0}.get(mode, 100.0))
 
     monkeypatch.setattr(throughput_bench, "run_mode", run_mode)
@@ -104,9 +125,83 @@ def test_admission_modes_run_compressed_under_that_admission_and_are_compared(mo
     monkeypatch.setattr(throughput_bench, "format_report", lambda report: "")
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
-    args = parser.parse_args(["--small", "--modes", "compressed", "compressed-hybrid", "compressed-constrained"])
+    args = parser.parse_args(["--small", "--modes", "compressed", "compressed-hybrid", "compressed-constrained",
+                              "--time-budget", "900"])
+    before = time.perf_counter()
     report = throughput.main(args)
+    after = time.perf_counter()
+    # each mode's deadline: an equal share of what is left of the budget when it starts (the stubbed modes take no
+    # time): 900/3, then 900/2 of what is left, then all of it
+    for call, share in zip(calls, (300, 450, 900)):
+        assert before + share <= call["deadline"] <= after + share
+    assert all(c["concurrency"] is None for c in calls)  # the reasoning workload runs all at once
     assert [(c.compression, c.admission) for c in built] == [(True, "reserved"), (True, "hybrid"),
                                                              (True, "constrained")]
     assert report["ratios"]["compressed / compressed-hybrid (steady)"] == 1.5
     assert report["ratios"]["compressed / compressed-constrained (steady)"] == 3.0
+
+
+def test_steady_window_leaves_out_the_ramp_and_the_tail():
+    """Samples each second: a ramp at 10 tok/s to t=4, steady 100 tok/s to t=14, a drain at 20 tok/s to t=20; the
+    loop stopped adding at 14.5 s. Skipping 100 tokens starts the window at t=5 (140 tokens, the first sample
+    past 100); it ends at t=14 (1040 tokens): 900 tokens in 9 s."""
+    def tokens(t):
+        return 10 * t if t <= 4 else 40 + 100 * (t - 4) if t <= 14 else 1040 + 20 * (t - 14)
+
+    samples = [(float(t), tokens(t)) for t in range(21)]
+    assert throughput.steady_window(samples, 100, 14.5) == dict(start_s=5.0, end_s=14.0, tokens=900,
+                                                                tokens_per_s=100.0)
+    # without the loop's end the drain counts: (1160 - 140) / 15 s
+    assert throughput.steady_window(samples, 100) == dict(start_s=5.0, end_s=20.0, tokens=1020, tokens_per_s=68.0)
+    assert throughput.steady_window(samples, 2000, 14.5) is None  # never reached
+    assert throughput.steady_window(samples, 1040, 14.5) is None  # starts where it ends: no time
+
+
+def test_long_reasoning_small_run_is_a_closed_loop_with_a_steady_window(long_reasoning_report):
+    report = long_reasoning_report
+    workload, config = report["workload"], report["config"]
+    assert workload["name"] == "long-reasoning" and config["concurrency"] == 3
+    assert (config["page_size"], config["kv_budget_pages"]) == (16, 2)  # --small's, over the workload's
+    for r in report["results"]:
+        assert r["concurrency"] == 3 and r["complete"]
+        assert r["requests_added"] == r["requests_finished"] == workload["requests"] == 6
+        assert r["generated_tokens"] == workload["output_tokens_total"]
+        history = r["history"]
+        in_flight = [h["num_in_flight"] for h in history]
+        assert max(in_flight) == 3  # never more than the loop's concurrency
+        end = r["closed_loop_end_s"]
+        # the loop held 3 in the engine until the workload ran out, then they drained (the tail)
+        assert all(h["num_in_flight"] == 3 for h in history if h["time_s"] <= end)
+        assert 0 < end < r["generation_s"] and in_flight[-2] < 3
+        w = r["steady"]
+        skip = 3 * 2 * 16  # one budget (M=2 pages of 16) per concurrent request: less than the pool (24 pages)
+        assert w["skip_tokens"] == r["steady_skip_tokens"] == skip
+        first = next(h for h in history if h["generated"] >= skip)
+        last = [h for h in history if h["time_s"] <= end][-1]
+        assert (w["start_s"], w["end_s"]) == (first["time_s"], last["time_s"])
+        assert w["tokens"] == last["generated"] - first["generated"] > 0
+        assert w["tokens_per_s"] == pytest.approx(w["tokens"] / (w["end_s"] - w["start_s"]))
+        assert r["steady_tokens_per_s"] == w["tokens_per_s"] and 1 <= w["running_mean"] <= 3
+    full, compressed = report["results"]
+    assert full["num_compressions"] == 0 and compressed["num_compressions"] > 0
+    budget_pages = 2  # M=2: a compressed request holds at most M+1 pages
+    assert compressed["steady"]["pages_per_running_mean"] <= budget_pages + 1
+    assert max(h["pages_per_running_max"] for h in full["history"]) > budget_pages + 1
+    text = throughput.format_report(report)
+    assert "compressed: closed loop of 3" in text and "steady window" in text
+    assert "compressed / full (steady window)" in report["ratios"]
+
+
+def test_long_reasoning_sets_the_papers_budget_unless_the_command_line_does():
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    shape = MODEL_SHAPES["qwen3-8b"]
+    config = throughput.base_config(parser.parse_args(["--workload", "long-reasoning"]), shape)
+    assert (config.page_size, config.kv_budget_pages, config.max_model_len) == (256, 8, 32768)
+    config = throughput.base_config(parser.parse_args(["--workload", "long-reasoning", "--page-size", "128",
+                                                       "--kv-budget-pages", "4"]), shape)
+    assert (config.page_size, config.kv_budget_pages) == (128, 4)
+    with pytest.raises(ValueError, match="concurrency"):
+        throughput.main(parser.parse_args(["--workload", "long-reasoning", "--concurrency", "0"]))

@@ -2,6 +2,7 @@
 
     python -m zipage_jax.bench throughput --workload reasoning --json out.json --png out.png [--peer hf]
     python -m zipage_jax.bench throughput --small          # tiny random model on CPU, in seconds
+    python -m zipage_jax.bench throughput --workload long-reasoning --gpu-memory-utilization 0.9 --time-budget 480
 
 Each mode (``full``: compression off, the vLLM-like baseline; ``compressed``: Compressed PagedAttention) runs the
 same requests on a fresh engine in this process. Start-up (building the engine, ``warmup()``) is timed apart
@@ -14,7 +15,23 @@ from generation; the generation window starts when the requests are added and en
 - the steady-state compression share of device time (``metrics()["steady_compression_time_share"]``);
 - the HBM roofline fraction of the decode steps: (weight bytes + KV bytes of the pages in use) per decode step,
   summed, over the window, against the peak bandwidth (of all ``--tensor-parallel-size`` devices together);
-- samples over time (throughput, concurrency, pages per running request) for the plots.
+- samples over time (throughput, concurrency, pages per running request) for the plots;
+- with a closed loop (``--concurrency``), the steady window's tok/s, running requests, pages per running request
+  and page occupancy (below).
+
+``--workload long-reasoning`` is the paper's regime: a KV budget of 2048 tokens (``--page-size 256
+--kv-budget-pages 8``, the workload's defaults unless the command line sets others), short prompts (a shared
+one-page system prefix plus a question of 1/8 to 1/2 page, as token ids), outputs log-normal with a mean of 7
+budgets before clipping at ``--max-model-len`` (32768; ~6.4 budgets after), run as a closed loop: ``--concurrency``
+requests (default ``--max-num-seqs``) are kept in the engine, each one that finishes replaced by the next of
+4096 through ``add_request``, so the engine stays full for the whole window instead of draining a batch. Its
+steady window (``steady_window``) starts once the engine has generated one budget per concurrent request, or a
+pool's worth of tokens if less (the admission ramp and the first wave's first compressions; full KV: its pool has
+filled once), and ends when the loop stops adding (the workload ran out: the tail, where requests drain, is left
+out) or generation stops. Full KV is still filling toward its own steady state then (its requests' contexts keep
+growing for as long as they live): the window flatters it. ``--time-budget`` fits one command, start-ups included,
+into a device limit: each mode gets an equal share of the seconds left when it starts. ``--small
+--workload long-reasoning`` runs it scaled down on CPU (page 16, M=2, 6 requests, concurrency 3).
 
 Weights: ``--model`` (an HF checkpoint directory) or ``--model-shape`` (random weights of a real model's shapes,
 made in device memory: ``weights.init_random_params``; the tokenizer is the shipped model's, prompts are ids).
@@ -45,7 +62,7 @@ import numpy as np
 from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs
 from zipage_jax.sampling_params import SamplingParams
 
-WORKLOADS = ("reasoning", "mixed", "prefix")
+WORKLOADS = ("reasoning", "mixed", "prefix", "long-reasoning")
 MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
 HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
@@ -83,7 +100,10 @@ def make_workload(name: str, num_requests: int, budget_tokens: int, page_size: i
       4.5 budgets (each request is compressed several times; full KV cannot hold every request at full length);
     - ``mixed``: short answers (under half a budget) interleaved with long reasoning outputs: admission matters;
     - ``prefix``: four long shared prompts (4 pages each) plus a short question, outputs around one budget: the
-      prefix cache matters.
+      prefix cache matters;
+    - ``long-reasoning``: the paper's regime: a shared system prefix (one page) plus a short question (1/8 to 1/2
+      page); outputs long-tailed with a mean of 7 budgets before clipping to ``max_model_len`` (~6.4 after: each
+      request is compressed dozens of times). Run as a closed loop (``run_mode``'s ``concurrency``).
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload: unknown {name!r}; have {WORKLOADS}")
@@ -108,6 +128,12 @@ def make_workload(name: str, num_requests: int, budget_tokens: int, page_size: i
         long = long_tail(rng, 4.5 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
         outputs = [s if i % 2 == 0 else t for i, (s, t) in enumerate(zip(short, long))]
         text = "short answers (< budget/2) interleaved with long-tailed reasoning outputs (mean 4.5 x budget)"
+    elif name == "long-reasoning":
+        system = ids(page_size)
+        prompts = [system + ids(n) for n in rng.integers(page_size // 8, page_size // 2, size=num_requests)]
+        outputs = long_tail(rng, 7 * budget_tokens, num_requests, budget_tokens // 2, max_model_len)
+        text = (f"shared {page_size}-token system prefix + short question; long-tailed outputs, mean 7 x budget "
+                f"before clipping at {max_model_len} tokens")
     else:
         shared = [ids(4 * page_size) for _ in range(4)]
         prompts = [shared[i % 4] + ids(n) for i, n in enumerate(rng.integers(8, page_size // 2, size=num_requests))]
@@ -145,9 +171,32 @@ def param_bytes(params, model_cfg, dtype) -> tuple[int, int]:
     return total, total if model_cfg.tie_word_embeddings else total - embed
 
 
+def steady_window(samples, skip_tokens: int, end_s: float | None = None) -> dict | None:
+    """The steady part of a run, from its samples ``[(time_s, generated tokens)]`` in time order: from the first
+    sample with at least ``skip_tokens`` generated (past the admission ramp and, with one KV budget per concurrent
+    request, the first wave's first compressions) to the last sample at or before ``end_s`` (when the closed loop
+    stopped adding: the tail, where requests drain, is left out; None: the last sample). Returns
+    ``dict(start_s, end_s, tokens, tokens_per_s)``, or None when the window holds no time."""
+    start = next((i for i, (_, generated) in enumerate(samples) if generated >= skip_tokens), None)
+    end = max((i for i, (t, _) in enumerate(samples) if end_s is None or t <= end_s), default=None)
+    if start is None or end is None or samples[end][0] <= samples[start][0]:
+        return None
+    (t0, g0), (t1, g1) = samples[start], samples[end]
+    return dict(start_s=t0, end_s=t1, tokens=g1 - g0, tokens_per_s=(g1 - g0) / (t1 - t0))
+
+
 def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
-             sample_interval_s: float = 1.0, progress=print) -> dict:
-    """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``."""
+             sample_interval_s: float = 1.0, progress=print, concurrency: int | None = None,
+             deadline: float | None = None, budget_tokens: int = 0) -> dict:
+    """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``.
+
+    ``concurrency`` None: every request is added at once. Otherwise a closed loop: ``concurrency`` requests are
+    added, and each one that finishes is replaced by the workload's next, until the workload runs out (then the
+    rest drain). Generation stops after ``duration`` seconds or at ``deadline`` (a ``time.perf_counter()``: the
+    mode's share of the command's time budget, start-up included), whichever comes first. The steady window
+    (``steady_window``) of a closed loop starts once the engine has generated one KV budget (``budget_tokens``) per
+    concurrent request or, if less, a pool's worth of tokens (full KV: its pool has filled once; compressed: every
+    resident request is past its first compression), and ends where the loop stopped adding."""
     from zipage_jax.worker import kv_cache
 
     t0 = time.perf_counter()
@@ -162,13 +211,22 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.page_size, engine.dtype)
     scheduler, bm = engine.scheduler, engine.page_manager
     pages = bm.num_pages - 1
+    skip_tokens = min((concurrency or 0) * budget_tokens, pages * engine.config.page_size)
 
     requests = []
-    start = time.perf_counter()
-    for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens)):
-        request_id = f"{mode}-{i}"
+    queue = list(zip(workload.prompts, workload.max_tokens))[::-1]
+
+    def add_next():
+        prompt, max_tokens = queue.pop()
+        request_id = f"{mode}-{len(requests)}"
         engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
         requests.append(engine.requests[request_id])
+
+    start = time.perf_counter()
+    stop = min(start + duration if duration is not None else math.inf, deadline or math.inf)
+    for _ in range(min(concurrency or len(queue), len(queue))):
+        add_next()
+    loop_end_s = None if queue else 0.0  # when the closed loop stopped adding (the workload ran out)
 
     def generated():
         return sum(len(r.output_logprobs) for r in requests)
@@ -181,6 +239,11 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         decoded = engine.totals["decode_tokens"]
         used = bm.num_used_pages
         finished += len(engine.step(only_finished=True))
+        now = time.perf_counter() - start
+        while queue and len(requests) - finished < (concurrency or 0):
+            add_next()
+        if loop_end_s is None and not queue:
+            loop_end_s = now
         steps += 1
         running = len(scheduler.running)
         running_sum += running
@@ -191,22 +254,30 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         if engine.totals["decode_tokens"] > decoded:  # a decode step was read back: it read the weights and KV
             decode_steps += 1
             bytes_read += step_weight_bytes + used * page_bytes
-        now = time.perf_counter() - start
         if now - last_sample >= sample_interval_s:
             last_sample = now
             held = [len(r.page_ids) for r in scheduler.running]
             samples.append(dict(
                 time_s=now, generated=generated(), num_running=running, num_waiting=len(scheduler.waiting),
+                num_in_flight=len(requests) - finished,
                 num_swapped=len(scheduler.swapped), num_stalled=scheduler.num_stalled, kv_pages_used=bm.num_used_pages,
                 page_occupancy=bm.num_used_pages / pages, query_rows_used=scheduler.num_query_rows
                 - len(scheduler.free_query_rows), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
                 num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds))
-        if duration is not None and now >= duration:
+        if time.perf_counter() >= stop:
             break
+    engine.drain(only_finished=True)  # the steps in flight when generation stopped
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
+    steady = concurrency and steady_window([(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s)
+    if steady:
+        inside = [h for h in samples if steady["start_s"] <= h["time_s"] <= steady["end_s"]]
+        steady.update(skip_tokens=skip_tokens,
+                      running_mean=float(np.mean([h["num_running"] for h in inside])),
+                      pages_per_running_mean=float(np.mean([h["pages_per_running_mean"] for h in inside])),
+                      page_occupancy_mean=float(np.mean([h["page_occupancy"] for h in inside])))
     compile_after = programs.compile_wall_s - compile_wall
     steady_wall = max(wall - compile_after, 1e-9)
     half = next((s for s in samples if s["time_s"] >= wall / 2), samples[-1])
@@ -216,7 +287,11 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     row = dict(
         mode=mode, init_s=init_s, warmup_s=warm["compile_s"], programs=warm["programs"], startup_s=startup_s,
         compiles_after_warmup=engine.compile_counter.count - compiles, compile_s_after_warmup=compile_after,
-        generation_s=wall, complete=not engine.has_unfinished_requests(), requests_finished=finished,
+        generation_s=wall, complete=not engine.has_unfinished_requests() and not queue,
+        requests_added=len(requests), requests_finished=finished, concurrency=concurrency,
+        steady_skip_tokens=skip_tokens if concurrency else None,
+        closed_loop_end_s=loop_end_s if concurrency else None, steady=steady or None,
+        steady_tokens_per_s=steady["tokens_per_s"] if steady else None,
         generated_tokens=tokens, steps=steps, decode_steps=decode_steps,
         tokens_per_s=tokens / steady_wall,
         tokens_per_s_second_half=(tokens - half["generated"]) / second_half_s if second_half_s > 0 else None,
@@ -237,14 +312,15 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     return row
 
 
-HEADER = (f"{'mode':>10} {'tok/s':>8} {'2nd half':>8} {'w/ start':>8} {'start s':>7} {'gen s':>6} {'tokens':>8} "
+HEADER = (f"{'mode':>10} {'tok/s':>8} {'steady':>8} {'2nd half':>8} {'w/ start':>8} {'start s':>7} {'gen s':>6} {'tokens':>8} "
           f"{'run avg':>7} {'peak':>5} {'occ':>5} {'preempt':>7} {'swaps':>5} {'stalls':>6} {'comp %':>6} "
           f"{'roofline':>8} {'compiles':>8}")
 
 
 def format_row(r: dict) -> str:
-    second = r.get("tokens_per_s_second_half")
-    return (f"{r['mode']:>10} {r['tokens_per_s']:>8.1f} {second if second is not None else float('nan'):>8.1f} "
+    second, steady = r.get("tokens_per_s_second_half"), r.get("steady_tokens_per_s")
+    return (f"{r['mode']:>10} {r['tokens_per_s']:>8.1f} {steady if steady is not None else float('nan'):>8.1f} "
+            f"{second if second is not None else float('nan'):>8.1f} "
             f"{r['tokens_per_s_incl_startup']:>8.1f} {r['startup_s']:>7.1f} {r['generation_s']:>6.1f} "
             f"{r['generated_tokens']:>8d} {r['mean_running']:>7.1f} {r['peak_running']:>5d} "
             f"{r['mean_page_occupancy']:>5.0%} {r['num_preemptions']:>7d} {r['num_swaps']:>5d} "
@@ -252,11 +328,24 @@ def format_row(r: dict) -> str:
             f"{r['hbm_roofline_fraction']:>8.1%} {r['compiles_after_warmup']:>8d}")
 
 
+def format_steady(r: dict) -> str:
+    """One line on a closed-loop run's steady window (or why it has none)."""
+    w = r.get("steady")
+    head = f"{r['mode']}: closed loop of {r['concurrency']}, {r['requests_added']} requests added, " \
+           f"{r['requests_finished']} finished, pool {r['kv_pages']} pages"
+    if not w:
+        return head + f"; no steady window (fewer than {r.get('steady_skip_tokens')} tokens before it ended)"
+    return (head + f"; steady window {w['start_s']:.1f}-{w['end_s']:.1f} s (after {w['skip_tokens']} tokens): "
+            f"{w['tokens_per_s']:.1f} tok/s, running {w['running_mean']:.1f}, pages per running request "
+            f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}")
+
+
 def format_report(report: dict) -> str:
     lines = [f"throughput benchmark, workload {report['workload']['name']}: {report['workload']['description']}",
              f"{report['workload']['requests']} requests, outputs mean {report['workload']['output_tokens_mean']:.0f} "
              f"(p99 {report['workload']['output_tokens_p99']:.0f}) tokens; {report['config']}", HEADER]
     lines += [format_row(r) for r in report["results"]]
+    lines += [format_steady(r) for r in report["results"] if r.get("concurrency")]
     ratios = report.get("ratios", {})
     lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]
     peer = report.get("peer")
@@ -273,6 +362,8 @@ def ratios(results: list, peer: dict | None) -> dict:
     if "full" in by and "compressed" in by:
         full, comp = by["full"], by["compressed"]
         out["compressed / full (steady)"] = comp["tokens_per_s"] / full["tokens_per_s"]
+        if comp.get("steady_tokens_per_s") and full.get("steady_tokens_per_s"):
+            out["compressed / full (steady window)"] = comp["steady_tokens_per_s"] / full["steady_tokens_per_s"]
         if comp["tokens_per_s_second_half"] and full["tokens_per_s_second_half"]:
             out["compressed / full (second half)"] = (comp["tokens_per_s_second_half"]
                                                       / full["tokens_per_s_second_half"])
@@ -301,6 +392,10 @@ def plot(report: dict, path: str):
         gen = [x["generated"] for x in h]
         rates = [(g1 - g0) / max(t1 - t0, 1e-9) for t0, t1, g0, g1 in zip(t, t[1:], gen, gen[1:])]
         rate.plot(t[1:], rates, c, label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
+        if r.get("steady"):  # the closed loop's steady window
+            w = r["steady"]
+            rate.axvspan(w["start_s"], w["end_s"], color=c, alpha=0.1,
+                         label=f"{r['mode']} steady window ({w['tokens_per_s']:.0f} tok/s)")
         conc.plot(t, [x.get("num_running", 0) for x in h], c, label=f"{r['mode']} running")
         conc.plot(t, [x.get("num_waiting", 0) for x in h], c, ls=":", label=f"{r['mode']} waiting")
         occ.plot(t, [x.get("page_occupancy", 0) for x in h], c, label=r["mode"])
@@ -332,6 +427,11 @@ SMALL = dict(model=None, model_shape="tiny", requests=6, duration=None, sample_i
              no_warmup=True)
 SMALL_ENGINE = dict(page_size=16, kv_budget_pages=2, max_num_seqs=4, max_num_batched_tokens=32,
                     max_num_prefill_seqs=4, max_model_len=256, num_gpu_pages_override=24)
+# long-reasoning: the paper's budget (M=8 pages of 256 = 2048 tokens) unless the command line sets another; a closed
+# loop (concurrency: max_num_seqs unless --concurrency) over more requests than a run finishes
+WORKLOAD_ENGINE = {"long-reasoning": dict(page_size=256, kv_budget_pages=8)}
+CLOSED_LOOP_REQUESTS = {"long-reasoning": 4096}
+SMALL_WORKLOAD = {"long-reasoning": dict(requests=6, concurrency=3)}  # --small: a ramp, turnover and a tail
 CARD_BYTES = 80e9  # without a pool size, the KV budget is what an 80 GB card keeps at 0.9 after its weights' share
 
 
@@ -344,8 +444,15 @@ def add_arguments(parser):
     parser.add_argument("--model-shape", default="qwen3-8b", help="random weights of these shapes (bench.MODEL_SHAPES)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]),
                         help="compressed-hybrid / compressed-constrained: compressed mode under another admission")
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int,
+                        help=f"requests of the workload (default: 256; closed-loop workloads {CLOSED_LOOP_REQUESTS})")
+    parser.add_argument("--concurrency", type=int,
+                        help="closed loop: keep this many requests in the engine, adding the workload's next one "
+                             "whenever one finishes (default: all at once; long-reasoning: --max-num-seqs)")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
+    parser.add_argument("--time-budget", type=float,
+                        help="seconds for the whole command, start-ups included: each mode gets an equal share of "
+                             "what is left when it starts, and its generation stops when the share is spent")
     parser.add_argument("--sample-interval-s", type=float, default=1.0)
     parser.add_argument("--no-warmup", action="store_true", help="compile on first use (counted, not excluded)")
     parser.add_argument("--peer", choices=["hf"], help="also run HF transformers' continuous batching (subprocess)")
@@ -358,16 +465,23 @@ def add_arguments(parser):
 
 
 def base_config(args, model_cfg) -> EngineConfig:
-    """The engine options of every mode (validated): those of the command line, or ``--small``'s."""
-    options = {**engine_kwargs(args, args.engine_fields), **(SMALL_ENGINE if args.small else {})}
+    """The engine options of every mode (validated): those of the command line over the workload's, or
+    ``--small``'s."""
+    small = SMALL_ENGINE if args.small else {}
+    options = {**WORKLOAD_ENGINE.get(args.workload, {}), **engine_kwargs(args, args.engine_fields), **small}
     limit = model_cfg.max_position_embeddings
     options["max_model_len"] = min(options["max_model_len"] or limit, limit)
     return EngineConfig.from_kwargs(args.model or DEFAULT_MODEL, **options)
 
 
 def main(args) -> dict:
+    started = time.perf_counter()
     if args.small:
-        args = argparse.Namespace(**{**vars(args), **SMALL})
+        args = argparse.Namespace(**{**vars(args), **SMALL, **SMALL_WORKLOAD.get(args.workload, {})})
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1 (got {args.concurrency})")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise ValueError(f"time_budget: must be > 0 seconds (got {args.time_budget})")
     from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
     from zipage_jax.models.config import ModelConfig
 
@@ -378,8 +492,11 @@ def main(args) -> dict:
     else:
         raise ValueError(f"model_shape: unknown {args.model_shape!r}; have {sorted(MODEL_SHAPES)}")
     base = base_config(args, model_cfg)
-    workload = make_workload(args.workload, args.requests, base.kv_budget_pages * base.page_size, base.page_size,
-                             model_cfg.vocab_size, base.max_model_len, base.seed)
+    budget = base.kv_budget_pages * base.page_size
+    requests = args.requests or CLOSED_LOOP_REQUESTS.get(args.workload, 256)
+    workload = make_workload(args.workload, requests, budget, base.page_size, model_cfg.vocab_size,
+                             base.max_model_len, base.seed)
+    concurrency = args.concurrency or (base.max_num_seqs if args.workload in CLOSED_LOOP_REQUESTS else None)
     tmp = tempfile.mkdtemp(prefix="zipage_throughput_")
     report = dict(benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   workload=workload.summary(), config=None, results=[], peer=None, ratios={})
@@ -410,7 +527,8 @@ def main(args) -> dict:
     model_dir = args.model or random_model_dir(args.model_shape, os.path.join(tmp, "model"))
     report["config"] = dict(base.options(), model=args.model or f"random:{args.model_shape}",
                             device=str(jax.devices()[0]), device_kind=jax.devices()[0].device_kind,
-                            jax_version=jax.__version__, duration_s=args.duration)
+                            jax_version=jax.__version__, duration_s=args.duration,
+                            time_budget_s=args.time_budget, concurrency=concurrency)
 
     def make_engine(mode):
         """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
@@ -421,9 +539,14 @@ def main(args) -> dict:
             params = weights.init_random_params(model_cfg, jax.random.key(base.seed), dtype)
         return LLMEngine(config, params=params)
 
-    for mode in args.modes:
+    for i, mode in enumerate(args.modes):
+        now = time.perf_counter()
+        deadline = None if args.time_budget is None else \
+            now + (started + args.time_budget - now) / (len(args.modes) - i)
         report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
-                                          args.sample_interval_s, progress=lambda line: print(line, flush=True)))
+                                          args.sample_interval_s, progress=lambda line: print(line, flush=True),
+                                          concurrency=concurrency, deadline=deadline,
+                                          budget_tokens=budget))
         gc.collect()  # the engine's pool goes before the next mode allocates its own
         write()
     print(format_report(report))
