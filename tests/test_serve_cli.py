@@ -16,19 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 START_S = 240.0  # bound on a server start (imports, the model, the engine) on a loaded 2-core machine
 EXIT_S = 15.0  # bound on the exit after a signal: the warm-up below would compile forever
 
-# The server with XLA compiles that never end (an XLA compile cannot be interrupted): the warm-up stays in
-# progress, so the server can only exit in time if it stops waiting for it.
-ENDLESS_WARMUP = """
-import os, pathlib, sys, threading
-from jax._src import stages
+# XLA compiles that never end (an XLA compile cannot be interrupted), in every process of the server (a
+# sitecustomize on the path: the engine process is spawned, a fresh interpreter): the warm-up stays in progress,
+# so the server can only exit in time if it stops waiting for it.
+ENDLESS_COMPILES = """
+import os, pathlib, threading
 
-def endless_compile(self, *args, **kwargs):
-    pathlib.Path(os.environ["COMPILING_MARKER"]).touch()
-    threading.Event().wait()
+if os.environ.get("COMPILING_MARKER"):
+    from jax._src import stages
 
-stages.Lowered.compile = endless_compile
-from zipage_jax.entrypoints.api_server import main
-main(sys.argv[1:])
+    def endless_compile(self, *args, **kwargs):
+        pathlib.Path(os.environ["COMPILING_MARKER"]).touch()
+        threading.Event().wait()
+
+    stages.Lowered.compile = endless_compile
 """
 
 SERVER_OPTIONS = ["--page-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len",
@@ -41,8 +42,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve(*args, code: str | None = None, env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "zipage_jax.serve", *args]
+def serve(*args, env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "zipage_jax.serve", *args]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
 
@@ -63,10 +64,15 @@ def wait_compiling(proc: subprocess.Popen, url: str, marker: Path):
 
 
 def test_a_signal_during_warmup_ends_the_server_at_once(tmp_path):
+    """SIGINT with the engine in its own process (the default), SIGTERM with the engine on a thread."""
+    (tmp_path / "sitecustomize.py").write_text(ENDLESS_COMPILES)
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
     ports = {signal.SIGINT: free_port(), signal.SIGTERM: free_port()}
     markers = {sig: tmp_path / f"compiling-{sig.name}" for sig in ports}
-    procs = {sig: serve("--port", str(port), *SERVER_OPTIONS, code=ENDLESS_WARMUP,
-                        env={"COMPILING_MARKER": str(markers[sig])}) for sig, port in ports.items()}
+    modes = {signal.SIGINT: [], signal.SIGTERM: ["--no-engine-process"]}
+    procs = {sig: serve("--port", str(port), *SERVER_OPTIONS, *modes[sig],
+                        env={"COMPILING_MARKER": str(markers[sig]), "PYTHONPATH": path})
+             for sig, port in ports.items()}
     try:
         for sig, proc in procs.items():
             wait_compiling(proc, f"http://127.0.0.1:{ports[sig]}", markers[sig])

@@ -1,23 +1,21 @@
-"""Drive one `LLMEngine` from one background thread and fan its outputs out to asyncio consumers.
+"""Fan one engine loop's outputs out to asyncio consumers.
 
-The engine is not thread-safe, so only the loop thread ever touches it: the event loop hands it commands
-(add / abort / stop) through a thread-safe queue, and the loop thread hands outputs back with
-`call_soon_threadsafe`. Every HTTP request becomes a `RequestGroup` (its n choices × prompts); a group keeps
-only the latest cumulative output per choice, so a slow client costs memory O(1) per choice, not per token.
+The loop (``engine_core.EngineCore``) runs where its ``core`` says (``core_client``: a thread of this process, or a
+process of its own); the event loop sends it commands (add / abort / stop) and receives its events, each handed
+to the event loop with ``call_soon_threadsafe``. Every HTTP request becomes a `RequestGroup` (its n choices ×
+prompts); a group keeps only the latest cumulative output per choice (the loop's deltas are merged into it), so a
+slow client costs memory O(1) per choice, not per token.
 """
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
-import queue
-import threading
-import time
+
+from zipage_jax.engine.core_client import ThreadCore
+from zipage_jax.engine.engine_core import merge
+from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
-
-FAILURE_BACKOFF_S = 0.05  # pause after an engine exception so a persistent fault cannot spin the CPU
-METRICS_INTERVAL_S = 0.25  # the loop thread refreshes /metrics' numbers at most this often while busy
-MAX_SHUTDOWN_STEPS = 10_000  # steps allowed to retire aborted requests when stopping
 
 
 class QueueFullError(Exception):
@@ -97,38 +95,36 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    """Owns the loop thread. `submit` / `RequestGroup.close` are called from the event loop only."""
+    """The event-loop side of one engine loop. ``engine``: an `LLMEngine` (its loop then runs on a thread of this
+    process) or a started core (``core_client.ProcessCore``). `submit` / `RequestGroup.close` are called from the
+    event loop only."""
 
     def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        self.engine = engine
-        self.warmup = warmup  # the loop thread compiles the engine's programs before it serves
+        self.core = engine if hasattr(engine, "send") else ThreadCore(engine, warmup)
         self.ready = not warmup
         self.startup = "waiting for the engine loop" if warmup else "ready"  # what start-up is doing now
-        self.capacity = engine.config.max_num_seqs + max_queued_requests
-        self.in_flight = 0  # admitted choices not yet closed (event-loop side)
+        self.capacity = self.core.config.max_num_seqs + max_queued_requests
+        self.in_flight = 0  # admitted choices not yet closed
         self.client_aborts = 0
         self.rejected = 0
         self.step_failures = 0
-        self.metrics: dict = {}  # latest engine.metrics(), published by the loop thread
-        self._metrics_at = 0.0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # loop-thread side
+        self.metrics: dict = {}  # the loop's latest engine.metrics()
+        self._routes: dict[str, tuple[RequestGroup, int, RequestOutput]] = {}
+        self._adding: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = False
-        self._stop_warmup = concurrent.futures.Future()  # done on shutdown: a warm-up still compiling ends at once
+        self._exited = False
 
-    # -- event-loop side -------------------------------------------------------------------------------------
     def start(self):
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.core.start(lambda event: self._loop.call_soon_threadsafe(self._on_event, event))
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self.core.alive and not self._stopping and not self._exited
 
     async def submit(self, requests: list[tuple]) -> RequestGroup:
         """Add `(request_id, prompt_token_ids, SamplingParams)` requests as one group, all or none.
@@ -145,11 +141,17 @@ class AsyncEngine:
                                  "retry later")
         self.in_flight += len(requests)
         group = RequestGroup(self, [r[0] for r in requests])
-        added = self._loop.create_future()
-        self._commands.put(("add", group, requests, added))
+        for index, (request_id, prompt, _) in enumerate(requests):
+            output = RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [], None, None)], False)
+            self._routes[request_id] = (group, index, output)
+        token = next(self._tokens)
+        added = self._adding[token] = self._loop.create_future()
+        self.core.send(("add", token, requests))
         try:
             await added
         except BaseException:
+            for request_id in group.request_ids:
+                self._routes.pop(request_id, None)
             group.close()
             raise
         return group
@@ -157,153 +159,65 @@ class AsyncEngine:
     def record_client_abort(self):
         self.client_aborts += 1
 
-    async def stop(self):
-        """Abort everything still running, retire it in the engine and join the loop thread."""
+    async def stop(self, timeout: float = 30.0):
+        """Abort everything still running, retire it in the engine and wait for the loop to end."""
         self._stopping = True
-        if not self._stop_warmup.done():
-            self._stop_warmup.set_result(None)
-        if self._thread is None:
-            return
-        self._commands.put(("stop",))
-        await asyncio.to_thread(self._thread.join)
+        self.core.send(("stop",))
+        await asyncio.to_thread(self.core.join, timeout)
 
     def _abort(self, request_ids: list[str]):
-        self._commands.put(("abort", request_ids))
+        for request_id in request_ids:
+            self._routes.pop(request_id, None)
+        self.core.send(("abort", request_ids))
 
     def _release(self, count: int):
         self.in_flight -= count
 
-    # -- loop-thread side ------------------------------------------------------------------------------------
-    def _run(self):
-        self.metrics = self.engine.metrics()
-        if self.warmup:
-            self._warm_up()
-        while True:
-            try:
-                busy = self.engine.has_unfinished_requests()
-                for command in self._drain(block=not busy):
-                    if command[0] == "stop":
-                        self._shutdown()
-                        return
-                    self._execute(command)
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._publish_metrics()
-            except Exception:  # a bug outside engine.step: fail what is in flight, keep serving
-                log.exception("engine loop error")
-                self._fail_all("internal engine error")
-                time.sleep(FAILURE_BACKOFF_S)
+    # -- events (on the event loop) --------------------------------------------------------------------------
+    def _on_event(self, event):
+        kind = event[0]
+        if kind == "outputs":
+            for delta in event[1]:
+                route = self._routes.get(delta.request_id)
+                if route is None:
+                    continue  # closed by its client meanwhile
+                group, index, output = route
+                merge(output, delta)
+                if delta.finished:
+                    del self._routes[delta.request_id]
+                group._post(index, output)
+        elif kind == "added":
+            future = self._adding.pop(event[1])
+            if not future.done():
+                if event[2] is None:
+                    future.set_result(None)
+                else:
+                    is_value_error, message = event[2]
+                    future.set_exception((ValueError if is_value_error else RuntimeError)(message))
+        elif kind == "metrics":
+            self.metrics = event[1]
+        elif kind == "startup":
+            self.startup = event[1]
+        elif kind == "ready":
+            self.startup, self.ready = "ready", True
+        elif kind == "failed":
+            _, request_ids, message, step_failure = event
+            self.step_failures += step_failure
+            self._fail(request_ids, message)
+        elif kind == "exited":  # the engine process ended without being asked to
+            self._exited = True
+            if not self._stopping:
+                log.error("the engine process exited; failing %d in-flight request(s)", len(self._routes))
+            for future in self._adding.values():
+                if not future.done():
+                    future.set_exception(EngineUnavailableError("the engine process exited"))
+            self._fail(list(self._routes), "the engine process exited")
 
-    def _publish_metrics(self):
-        """``engine.metrics()`` for /metrics, at most every ``METRICS_INTERVAL_S`` while busy (it sums the rate
-        window on the loop thread, between the steps that keep the device fed) and always once the engine idles,
-        so a scrape after the load sees it drained."""
-        now = time.monotonic()
-        if self.engine.has_unfinished_requests() and now - self._metrics_at < METRICS_INTERVAL_S:
-            return
-        self.metrics, self._metrics_at = self.engine.metrics(), now
-
-    def _warm_up(self):
-        """Compile every program before serving; meanwhile ``startup`` says how far it got (for /health)."""
-        def progress(done, total, name, seconds):
-            self.startup = f"compiled {done}/{total} programs, last: {name}"
-
-        self.startup = "compiling programs"
-        try:
-            self.engine.warmup(progress, stop=self._stop_warmup)
-        except Exception as error:
-            if self._stop_warmup.done():  # shutting down: compiles still running are left to finish unused
-                log.info("warm-up stopped for the shutdown (%s)", error)
-                return
-            log.exception("warm-up failed; programs compile on first use")  # serving beats refusing to start
-        self.startup, self.ready = "ready", True
-
-    def _drain(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _execute(self, command):
-        if command[0] == "add":
-            _, group, requests, added = command
-            self._add(group, requests, added)
-        else:
-            for request_id in command[1]:
-                self._routes.pop(request_id, None)
-                self.engine.abort_request(request_id)
-
-    def _add(self, group, requests, added):
-        done = []
-        try:
-            for index, (request_id, prompt, params) in enumerate(requests):
-                self.engine.add_request(request_id, prompt, params)
-                done.append(request_id)
-                self._routes[request_id] = (group, index)
-        except Exception as exc:
-            for request_id in done:
-                self._routes.pop(request_id, None)
-                self.engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(_settle, added, exc)
-        else:
-            self._loop.call_soon_threadsafe(_settle, added, None)
-
-    def _step(self):
-        try:
-            outputs = self.engine.step()
-        except Exception:
-            # The engine cannot say which requests the failed step held, so every request in flight fails.
-            log.exception("engine.step failed; failing %d in-flight request(s)", len(self._routes))
-            self.step_failures += 1
-            self._fail_all("the engine failed while generating this request")
-            time.sleep(FAILURE_BACKOFF_S)
-            return
-        deliveries = []
-        for output in outputs:
-            route = self._routes.get(output.request_id)
-            if route is None:
-                continue  # aborted by its client, or from a failed add
-            if output.finished:
-                del self._routes[output.request_id]
-            deliveries.append((route[0], route[1], output))
-        if deliveries:
-            self._loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def _fail_all(self, message: str):
-        routes, self._routes = self._routes, {}
-        for request_id in routes:
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort_request(%r) failed", request_id)
-        groups = {id(g): g for g, _ in routes.values()}.values()
-        if groups:
-            self._loop.call_soon_threadsafe(_fail_groups, list(groups), message)
-
-    def _shutdown(self):
-        """Retire every request (its pages go back to the pool) before the thread ends."""
-        for request_id in list(self._routes):
-            self.engine.abort_request(request_id)
-        for _ in range(MAX_SHUTDOWN_STEPS):
-            if not self.engine.has_unfinished_requests():
-                break
-            self._step()
-        self._fail_all("the server is shutting down")
-        self.metrics = self.engine.metrics()
-
-
-def _settle(future: asyncio.Future, exc: Exception | None):
-    if not future.done():
-        future.set_result(None) if exc is None else future.set_exception(exc)
-
-
-def _deliver(deliveries):
-    for group, index, output in deliveries:
-        group._post(index, output)
-
-
-def _fail_groups(groups, message: str):
-    for group in groups:
-        group._fail(message)
+    def _fail(self, request_ids, message: str):
+        groups = {}
+        for request_id in request_ids:
+            route = self._routes.pop(request_id, None)
+            if route is not None:
+                groups[id(route[0])] = route[0]
+        for group in groups.values():
+            group._fail(message)

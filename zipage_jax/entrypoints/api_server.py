@@ -3,8 +3,8 @@
 Completions and chat completions (streamed as server-sent events or not), models, health, Prometheus metrics.
 The request surface is vLLM's (`protocol`): logprobs in OpenAI's formats (`logprob_formats`), echo, prompt
 logprobs, continuous usage in streams, reasoning parsers (`reasoning`). Every error, including validation, is a
-4xx in OpenAI's `{"error": {...}}` shape; the engine runs on one background thread (see `async_engine`), so
-requests from all clients are batched together.
+4xx in OpenAI's `{"error": {...}}` shape. One engine loop batches the requests of all clients; `serve` runs it in
+a process of its own (`engine.core_client`), so HTTP, JSON and SSE here never hold the GIL it needs.
 """
 
 import argparse
@@ -115,7 +115,7 @@ class _Service:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.reasoning = reasoning
-        self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
+        self.max_model_len = engine.max_model_len
         self.responses: Counter = Counter()
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
 
@@ -439,14 +439,16 @@ class _ChoiceStream:
 def create_app(engine, *, api_key: str | None = None, max_queued_requests: int = 256,
                served_model_name: str | None = None, warmup: bool = False,
                reasoning_parser: str | None = None) -> FastAPI:
-    """The ASGI app. Its lifespan starts the engine loop thread and, on shutdown, aborts and joins it.
+    """The ASGI app over ``engine``: an `LLMEngine` (its loop then runs on a thread of this process) or a launched
+    ``core_client.ProcessCore``. Its lifespan starts the engine loop and, on shutdown, aborts what runs and waits
+    for the loop to end.
 
     With ``warmup`` the loop thread first compiles the engine's programs while the server already answers:
     ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done. With
     ``reasoning_parser`` (``reasoning.PARSERS``) chat replies split their thinking into ``reasoning_content``."""
     reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
     async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup)
-    svc = _Service(engine, async_engine, served_model_name or engine.model_name, reasoning)
+    svc = _Service(async_engine.core, async_engine, served_model_name or engine.model_name, reasoning)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -563,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every shape bucket before serving requests; meanwhile /health answers 503 "
                              "'starting' (default: %(default)s)")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine loop in a process of its own, so that HTTP, JSON and SSE never hold "
+                             "the GIL the loop needs to keep the device fed (default: %(default)s)")
     server.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                         help="split chat replies' <think>...</think> into reasoning_content, as vLLM does")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -586,19 +591,26 @@ def main(argv: list[str] | None = None):
         option_error(parser, e)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
-    from zipage_jax.engine.llm_engine import LLMEngine  # imported late so --help needs no accelerator runtime
-
     try:
-        engine = LLMEngine.from_kwargs(args.model, **options)
+        if args.engine_process:  # the engine is built in its process, jax's backend starts there
+            from zipage_jax.engine.core_client import ProcessCore
+
+            engine = ProcessCore.launch(args.model, options, warmup=args.warmup, log_level=args.log_level.upper())
+        else:
+            from zipage_jax.engine.llm_engine import LLMEngine  # late: --help needs no accelerator runtime
+
+            engine = LLMEngine.from_kwargs(args.model, **options)
     except ValueError as e:  # what only the model and the device tell: its context, the memory plan, a Hub id
         option_error(parser, e)
+    except RuntimeError as e:  # the engine process failed to start
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                      served_model_name=args.served_model_name, warmup=args.warmup,
                      reasoning_parser=args.reasoning_parser)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)
-    if engine.runner.programs.compiling_unused:  # a warm-up the shutdown stopped: do not wait for its compiles
+    if not args.engine_process and engine.runner.programs.compiling_unused:  # a stopped warm-up: do not wait
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

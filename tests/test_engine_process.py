@@ -1,0 +1,140 @@
+"""The server's engine loop in a process of its own (``core_client.ProcessCore``, what ``serve`` runs): its outputs
+cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), requests
+behave as with the loop on a thread, cancellations give their pages back, the engine's own errors are 400s, and a
+lost engine process fails what was in flight and turns /health to 503."""
+
+import asyncio
+import dataclasses
+
+import openai
+import pytest
+
+from live_server import live_server
+from seeds import seeded_rng
+from waiting import HANG_S, wait_until
+from zipage_jax.engine.core_client import ProcessCore
+from zipage_jax.engine.engine_core import OutputDelta, _delta, merge
+from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+from test_serve import TINY_MODEL, make_engine, offline
+
+OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
+               max_num_prefill_seqs=8, num_gpu_pages_override=512, compilation_cache_dir=None)
+
+
+def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
+    rng = seeded_rng()
+    for _ in range(50):
+        text, ids, logprobs, sent = "", [], [], [0, 0]
+        rebuilt = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, None)], False)
+        for step in range(int(rng.integers(1, 12))):
+            new = int(rng.integers(0, 4))
+            ids = ids + [int(t) for t in rng.integers(0, 100, new)]
+            logprobs = logprobs + [{i: Logprob(-float(i))} for i in ids[len(logprobs):]]
+            text = text + "".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(rng.integers(0, 6))))
+            finished = step > 0 and rng.random() < 0.2
+            if finished and text:  # a stop string completed late: text already reported is taken back
+                text = text[:int(rng.integers(0, len(text)))]
+            out = RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
+                                                                  "stop" if finished else None)], finished,
+                                dict(peak_kv_pages=3) if finished else {})
+            delta = _delta(out, sent)
+            assert isinstance(delta, OutputDelta) and len(delta.token_ids) <= new
+            merge(rebuilt, delta)
+            assert (rebuilt.outputs[0].text, rebuilt.outputs[0].token_ids, rebuilt.outputs[0].logprobs) == \
+                (text, ids, logprobs)
+            assert rebuilt.finished == finished and rebuilt.outputs[0].finish_reason == out.outputs[0].finish_reason
+            if finished:
+                assert rebuilt.metrics == {"peak_kv_pages": 3}
+                break
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return make_engine(**{k: v for k, v in OPTIONS.items() if k != "num_gpu_pages_override"})
+
+
+@pytest.fixture(scope="module")
+def live():
+    core = ProcessCore.launch(TINY_MODEL, OPTIONS, warmup=False, log_level="WARNING")
+    with live_server(core, max_queued_requests=16) as server:
+        server.core = core
+        yield server
+
+
+def model_of(live) -> str:
+    return live.client().models.list().data[0].id
+
+
+def test_requests_through_the_engine_process_match_the_engine(live, reference):
+    client, model = live.client(), model_of(live)
+    for prompt, params in [("What is 12+7?", dict(max_tokens=40)), ("abc", dict(max_tokens=30, stop=["1", " "]))]:
+        want, _ = offline(reference, prompt, temperature=0.0, logprobs=2, **params)
+        got = client.completions.create(model=model, prompt=prompt, temperature=0, logprobs=2, **params)
+        assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in
+                                                                        zip(want.token_ids, want.logprobs)], abs=1e-5)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=prompt, temperature=0, stream=True, **params))
+        assert streamed == want.text
+
+
+def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live, reference):
+    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
+    before = live.metrics()
+    prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(12)]
+    wants = {i: offline(reference, p, temperature=0.0, max_tokens=24)[0].text for i, p in enumerate(prompts)}
+
+    async def one(client, model, i):
+        cancel = i % 2 == 1
+        stream = await client.completions.create(
+            model=model, prompt=prompts[i], temperature=0, stream=True,
+            **({"max_tokens": 300, "extra_body": {"ignore_eos": True}} if cancel else {"max_tokens": 24}))
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if cancel and text:
+                await stream.close()
+                return None
+        return text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=HANG_S) as client:
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(one(client, model, i) for i in range(12)))
+
+    for i, text in enumerate(asyncio.run(main())):
+        if i % 2 == 0:
+            assert text == wants[i], i
+    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "all requests to close")
+    wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
+    after = live.metrics()
+    assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
+    assert after["zipage_server_client_aborts_total"] - before["zipage_server_client_aborts_total"] == 6
+    with pytest.raises(openai.BadRequestError) as err:  # the engine process's own check: ids beyond the vocabulary
+        live.client().completions.create(model=model_of(live), prompt=[5, 10**6], max_tokens=2)
+    assert "token ids must be ints" in err.value.message and err.value.body["param"] == "prompt"
+
+
+def test_a_launch_error_is_the_engines_value_error():
+    with pytest.raises(ValueError, match="max_model_len"):
+        ProcessCore.launch(TINY_MODEL, {**OPTIONS, "max_model_len": 10**6}, warmup=False, log_level="WARNING")
+
+
+def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so():
+    core = ProcessCore.launch(TINY_MODEL, OPTIONS, warmup=False, log_level="WARNING")
+    with live_server(core) as live:
+        client, model = live.client(), model_of(live)
+        stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        core._process.kill()
+        with pytest.raises(openai.APIError, match="engine process exited"):
+            for _ in stream:
+                pass
+        wait_until(lambda: live.get("/health").status_code == 503, "/health to report the lost engine")
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=model, prompt="x", max_tokens=2)
+        assert err.value.status_code == 503
+

@@ -1,0 +1,185 @@
+"""Where the engine loop (``engine_core.EngineCore``) runs, as the server's `AsyncEngine` sees it: a thread of this
+process (``ThreadCore``: an `LLMEngine` built here, as tests and notebooks hold one) or a process of its own
+(``ProcessCore``, what ``python -m zipage_jax.serve`` starts: the loop and the HTTP server then each have a GIL).
+
+Both offer ``start(on_event)`` (``on_event`` is called on a background thread, once per event), ``send(command)``,
+``join(timeout)``, ``alive``, and what the HTTP layer reads of an engine: ``tokenizer``, ``model_name``,
+``max_model_len`` and ``config``.
+"""
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+
+from zipage_jax.engine.engine_core import EngineCore
+
+log = logging.getLogger(__name__)
+
+LOOP_THREAD = "engine-loop"
+
+
+class ThreadCore:
+    """The loop on a thread of this process, over an engine built here."""
+
+    def __init__(self, engine, warmup: bool = False):
+        self.engine, self.warmup = engine, warmup
+        self.tokenizer, self.model_name, self.config = engine.tokenizer, engine.model_name, engine.config
+        self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop_warmup = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_event):
+        core = EngineCore(self.engine, on_event, self._commands, self._stop_warmup, self.warmup)
+        self._thread = threading.Thread(target=core.run, name=LOOP_THREAD, daemon=True)
+        self._thread.start()
+
+    def send(self, command):
+        if command[0] == "stop" and not self._stop_warmup.done():
+            self._stop_warmup.set_result(None)
+        self._commands.put(command)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None):
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class ProcessCore:
+    """The loop in a child process that builds the engine itself (``spawn``: a fresh interpreter, so jax's
+    backend starts there and only there). ``launch`` returns once the engine is built, or raises what building
+    it raised (``ValueError`` for what only the model and the device tell: the memory plan, the context)."""
+
+    def __init__(self, process, commands, events, info: dict):
+        self._process, self._commands_conn, self._events_conn = process, commands, events
+        self.model_name, self.max_model_len, self.config = info["model_name"], info["max_model_len"], info["config"]
+        self.tokenizer = None
+        if info["tokenizer_path"] is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(info["tokenizer_path"])
+            self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def launch(cls, model: str, options: dict, warmup: bool, log_level: str = "INFO") -> "ProcessCore":
+        context = multiprocessing.get_context("spawn")
+        commands_read, commands_write = context.Pipe(duplex=False)
+        events_read, events_write = context.Pipe(duplex=False)
+        process = context.Process(target=_child_main, name="engine-core", daemon=True,
+                                  args=(commands_read, events_write, model, options, warmup, log_level))
+        process.start()
+        commands_read.close()
+        events_write.close()
+        try:
+            message = events_read.recv()
+        except EOFError:
+            process.join(5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+        if message[0] == "error":
+            process.join(5)
+            is_value_error, text = message[1]
+            raise (ValueError if is_value_error else RuntimeError)(text)
+        return cls(process, commands_write, events_read, message[1])
+
+    def start(self, on_event):
+        def receive():
+            while True:
+                try:
+                    event = self._events_conn.recv()
+                except (EOFError, OSError):
+                    on_event(("exited",))
+                    return
+                on_event(event)
+
+        def deliver():  # commands leave from here: a long prompt must not block the event loop on a full pipe
+            while True:
+                command = self._outbox.get()
+                try:
+                    self._commands_conn.send(command)
+                except (BrokenPipeError, OSError):
+                    return
+                if command[0] == "stop":
+                    return
+
+        self._threads = [threading.Thread(target=receive, name="engine-events", daemon=True),
+                         threading.Thread(target=deliver, name="engine-commands", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, command):
+        self._outbox.put(command)
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def join(self, timeout: float | None = None):
+        """Wait for the process to end; one still running after ``timeout`` is killed (XLA cannot interrupt a
+        compile, and a shutdown must not wait for one)."""
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %.1f s; killing it", timeout)
+            self._process.kill()
+            self._process.join()
+        for thread in self._threads:
+            thread.join(1.0)
+
+
+def _child_main(commands, events, model: str, options: dict, warmup: bool, log_level: str):
+    """The engine process: build the engine, report, then run the loop until ``stop`` (or until the server's
+    process is gone: its end of the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from zipage_jax.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine.from_kwargs(model, **options)
+    except Exception as error:
+        events.send(("error", (isinstance(error, ValueError), str(error) if isinstance(error, ValueError)
+                               else f"{type(error).__name__}: {error}")))
+        return
+    tokenizer_path = None
+    if engine.tokenizer is not None:
+        tokenizer_path = getattr(engine.tokenizer, "name_or_path", None) or engine.model_path
+    events.send(("built", dict(model_name=engine.model_name, max_model_len=engine.max_model_len,
+                               config=engine.config, tokenizer_path=tokenizer_path)))
+    queued: queue.SimpleQueue = queue.SimpleQueue()
+    stop_warmup = concurrent.futures.Future()
+
+    def receive():
+        while True:
+            try:
+                command = commands.recv()
+            except (EOFError, OSError):
+                command = ("stop",)
+            if command[0] == "stop" and not stop_warmup.done():
+                stop_warmup.set_result(None)
+            queued.put(command)
+            if command[0] == "stop":
+                return
+
+    threading.Thread(target=receive, name="engine-commands", daemon=True).start()
+
+    def emit(event):
+        try:
+            events.send(event)
+        except (BrokenPipeError, OSError):  # the server's process is gone; the stop command follows
+            pass
+
+    EngineCore(engine, emit, queued, stop_warmup, warmup).run()
+    if engine.runner.programs.compiling_unused:  # a stopped warm-up: do not wait for its compiles
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

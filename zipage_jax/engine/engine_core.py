@@ -1,0 +1,205 @@
+"""The engine loop: one `LLMEngine` stepped by one thread, fed commands through a queue, reporting through events.
+
+It runs on a thread of the server's process (``core_client.ThreadCore``) or alone in a process of its own
+(``core_client.ProcessCore``, the server's default: HTTP, JSON and SSE then do not share a GIL with the loop that
+keeps the device fed). Either way the events are small and picklable: each step's outputs travel as
+``OutputDelta``s (the tokens, text and logprobs new since the request's last delta), O(new tokens) per request
+and step instead of the cumulative O(length).
+
+Commands: ``("add", token, [(request_id, prompt, SamplingParams), ...])``, ``("abort", [request_id, ...])``,
+``("stop",)``. Events: ``("startup", what)``, ``("ready",)``, ``("added", token, error)`` (error: None or
+``(is_value_error, message)``), ``("outputs", [OutputDelta, ...])``, ``("failed", [request_id, ...], message,
+step_failure)``, ``("metrics", engine.metrics())``, ``("stopped",)``.
+"""
+
+import concurrent.futures
+import logging
+import queue
+import time
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+FAILURE_BACKOFF_S = 0.05  # pause after an engine exception so a persistent fault cannot spin the CPU
+METRICS_INTERVAL_S = 0.25  # metrics are refreshed at most this often while busy
+MAX_SHUTDOWN_STEPS = 10_000  # steps allowed to retire aborted requests when stopping
+
+
+class OutputDelta(NamedTuple):
+    """What one step added to a request's output. The text and token lists are replaced from ``text_start`` /
+    ``token_start`` on (a stop string found late truncates text already reported)."""
+
+    request_id: str
+    token_start: int
+    token_ids: list
+    text_start: int
+    text: str
+    logprobs: list | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    finished: bool
+    metrics: dict | None  # with the last delta only
+    prompt_logprobs: list | None  # whole, while the request asks for them
+
+
+class EngineCore:
+    """Steps ``engine`` while it has work; between steps runs the commands queued since."""
+
+    def __init__(self, engine, emit, commands: queue.SimpleQueue, stop_warmup: concurrent.futures.Future,
+                 warmup: bool):
+        self.engine = engine
+        self.emit = emit  # called from the loop's thread only
+        self.commands = commands
+        self.stop_warmup = stop_warmup  # done on shutdown: a warm-up still compiling ends at once
+        self.warmup = warmup
+        self._sent: dict[str, list[int]] = {}  # request id -> [tokens, characters] reported so far
+        self._metrics_at = 0.0
+
+    def run(self):
+        self.emit(("metrics", self.engine.metrics()))
+        if self.warmup:
+            self._warm_up()
+        while True:
+            try:
+                busy = self.engine.has_unfinished_requests()
+                for command in self._drain(block=not busy):
+                    if command[0] == "stop":
+                        self._shutdown()
+                        self.emit(("stopped",))
+                        return
+                    self._execute(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_metrics()
+            except Exception:  # a bug outside engine.step: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all("internal engine error")
+                time.sleep(FAILURE_BACKOFF_S)
+
+    def _warm_up(self):
+        """Compile every program before serving, reporting progress (the server's /health shows it)."""
+        def progress(done, total, name, seconds):
+            self.emit(("startup", f"compiled {done}/{total} programs, last: {name}"))
+
+        self.emit(("startup", "compiling programs"))
+        try:
+            self.engine.warmup(progress, stop=self.stop_warmup)
+        except Exception as error:
+            if self.stop_warmup.done():  # shutting down: compiles still running are left to finish unused
+                log.info("warm-up stopped for the shutdown (%s)", error)
+                return
+            log.exception("warm-up failed; programs compile on first use")  # serving beats refusing to start
+        self.emit(("ready",))
+
+    def _publish_metrics(self):
+        """At most every ``METRICS_INTERVAL_S`` while busy (it sums the rate window between the steps that keep
+        the device fed) and always once the engine idles, so a scrape after the load sees it drained."""
+        now = time.monotonic()
+        if self.engine.has_unfinished_requests() and now - self._metrics_at < METRICS_INTERVAL_S:
+            return
+        self._metrics_at = now
+        self.emit(("metrics", self.engine.metrics()))
+
+    def _drain(self, block: bool) -> list:
+        commands = [self.commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self.commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _execute(self, command):
+        if command[0] == "add":
+            self._add(command[1], command[2])
+        else:
+            for request_id in command[1]:
+                if self._sent.pop(request_id, None) is not None:
+                    self.engine.abort_request(request_id)
+
+    def _add(self, token, requests):
+        done = []
+        try:
+            for request_id, prompt, params in requests:
+                self.engine.add_request(request_id, prompt, params)
+                done.append(request_id)
+                self._sent[request_id] = [0, 0]
+        except Exception as exc:
+            for request_id in done:
+                self._sent.pop(request_id, None)
+                self.engine.abort_request(request_id)
+            self.emit(("added", token, (isinstance(exc, ValueError), str(exc))))
+        else:
+            self.emit(("added", token, None))
+
+    def _step(self):
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # The engine cannot say which requests the failed step held, so every request in flight fails.
+            log.exception("engine.step failed; failing %d in-flight request(s)", len(self._sent))
+            self._fail_all("the engine failed while generating this request", step_failure=True)
+            time.sleep(FAILURE_BACKOFF_S)
+            return
+        deltas = []
+        for output in outputs:
+            sent = self._sent.get(output.request_id)
+            if sent is None:
+                continue  # aborted by its client, or from a failed add
+            deltas.append(_delta(output, sent))
+            if output.finished:
+                del self._sent[output.request_id]
+        if deltas:
+            self.emit(("outputs", deltas))
+
+    def _fail_all(self, message: str, step_failure: bool = False):
+        request_ids, self._sent = list(self._sent), {}
+        for request_id in request_ids:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort_request(%r) failed", request_id)
+        if request_ids or step_failure:
+            self.emit(("failed", request_ids, message, step_failure))
+
+    def _shutdown(self):
+        """Retire every request (its pages go back to the pool) before the loop ends."""
+        for request_id in list(self._sent):
+            self.engine.abort_request(request_id)
+        for _ in range(MAX_SHUTDOWN_STEPS):
+            if not self.engine.has_unfinished_requests():
+                break
+            self.engine.step()
+        self._fail_all("the server is shutting down")
+        self.emit(("metrics", self.engine.metrics()))
+
+
+def _delta(output, sent: list[int]) -> OutputDelta:
+    """The part of ``output`` (cumulative) not reported yet; advances ``sent``."""
+    c = output.outputs[0]
+    token_start, text_start = min(sent[0], len(c.token_ids)), min(sent[1], len(c.text))
+    sent[0], sent[1] = len(c.token_ids), len(c.text)
+    return OutputDelta(output.request_id, token_start, c.token_ids[token_start:], text_start, c.text[text_start:],
+                       None if c.logprobs is None else c.logprobs[token_start:], c.cumulative_logprob,
+                       c.finish_reason, c.stop_reason, output.finished, output.metrics if output.finished else None,
+                       output.prompt_logprobs)
+
+
+def merge(output, delta: OutputDelta):
+    """Apply ``delta`` to ``output`` (a cumulative ``RequestOutput``, updated in place)."""
+    c = output.outputs[0]
+    del c.token_ids[delta.token_start:]
+    c.token_ids.extend(delta.token_ids)
+    c.text = c.text + delta.text if delta.text_start == len(c.text) else c.text[:delta.text_start] + delta.text
+    if delta.logprobs is not None:
+        if c.logprobs is None:
+            c.logprobs = []
+        del c.logprobs[delta.token_start:]
+        c.logprobs.extend(delta.logprobs)
+    c.cumulative_logprob, c.finish_reason, c.stop_reason = delta.cumulative_logprob, delta.finish_reason, \
+        delta.stop_reason
+    output.finished = delta.finished
+    if delta.metrics is not None:
+        output.metrics = delta.metrics
+    if delta.prompt_logprobs is not None:
+        output.prompt_logprobs = delta.prompt_logprobs
