@@ -1,7 +1,7 @@
 """Where the full-KV engine's first step after warm-up found no memory on an 80 GB card: device memory, the pool
 buffers and the live arrays after each stage of start-up, with and without the executable store.
 
-    PYTHONPATH=. python3 scripts/startup_memory_probe.py CHECKPOINT
+    PYTHONPATH=. python3 scripts/startup_memory_probe.py CHECKPOINT [store|no-store ...]
 """
 import gc
 import sys
@@ -44,5 +44,8 @@ def run(tag, warm_up, **kw):
         gc.collect()
 
 
-run("full, store, warm-up", True, compression=False, compilation_cache_dir=tempfile.mkdtemp())
-run("full, no store, warm-up", True, compression=False, compilation_cache_dir=None)
+variants = sys.argv[2:] or ["store", "no-store"]
+if "store" in variants:
+    run("full, store, warm-up", True, compression=False, compilation_cache_dir=tempfile.mkdtemp())
+if "no-store" in variants:
+    run("full, no store, warm-up", True, compression=False, compilation_cache_dir=None)
