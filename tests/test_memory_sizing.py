@@ -328,10 +328,10 @@ def test_the_plan_counts_the_weights_from_the_engines_arrays_so_every_start_plan
 
 
 def test_the_pools_are_two_buffers_and_a_pool_the_allocator_did_not_grow_by_is_warned_about(caplog):
-    """K and V are separate executions: one program returning two equal zero pools may hand back one buffer for
-    both, and the first step that donates both then allocates the second pool after warm-up fragmented the free
-    memory (an 80 GB H100's full-KV engine failed its first step so). Where the device reports its allocator, a
-    state that did not grow it by its size is warned about."""
+    """The pools are fills of a runtime operand, one execution each: a program whose output was a constant handed
+    back pools the allocator never held, and the first step that donated them allocated the missing one after
+    warm-up fragmented the free memory (an 80 GB H100's full-KV engine failed its first step so). Where the
+    device reports its allocator, a state that did not grow it by its size is warned about."""
     from zipage_jax.worker import device_state
     from zipage_jax import parallel
 
@@ -339,6 +339,7 @@ def test_the_pools_are_two_buffers_and_a_pool_the_allocator_did_not_grow_by_is_w
     state = device_state.allocate(c, CFG, 32, 0, jnp.float32, parallel.make_mesh(1, CFG))
     assert state.k_pool.unsafe_buffer_pointer() != state.v_pool.unsafe_buffer_pointer()
     assert not np.shares_memory(np.asarray(state.k_pool), np.asarray(state.v_pool))
+    assert not np.asarray(state.k_pool).any() and not np.asarray(state.score_cache).any()
     device = FakeDevice(80 * 2**30, 20 * 2**30)
     with caplog.at_level("WARNING", logger="zipage_jax.worker.device_memory"):
         assert device_memory.check_allocated(device, 20 * 2**30 - 2 * 2**30, 2 * 2**30, "pools") == 2 * 2**30

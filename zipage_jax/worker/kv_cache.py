@@ -6,6 +6,7 @@ what both the TMA loads of the kernels and per-head compaction want. Page 0 is t
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zipage_jax import parallel
 from zipage_jax.core.memory_plan import MemoryPlan
@@ -188,14 +189,15 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
     """Zeroed K and V pools, created once on the device (optionally sharded over KV heads).
 
     Committed to their sharding, like the step outputs that replace them, so the first step does not compile
-    an executable of its own. One execution per pool: a single program returning two equal constants may hand
-    back one buffer for both (XLA's CSE), and the first step, donating both, then allocates the second pool
-    after warm-up has fragmented the free memory (on an 80 GB H100 the full-KV engine failed its first step).
+    an executable of its own. The zeros are a fill of a runtime operand, each pool its own execution: a program
+    whose output is a constant handed back pools that the allocator never held (on an 80 GB H100, 25.7 of
+    51.4 GiB), and the first step, donating them, had to allocate the missing pool after warm-up had fragmented
+    the free memory (the full-KV engine failed its first step).
     """
     pool_sharding = pool_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
-    return make(), make()
+    make = jax.jit(lambda fill: jnp.full(shape, fill, dtype), out_shardings=pool_sharding)
+    return make(np.zeros((), dtype)), make(np.zeros((), dtype))
 
 
 def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
@@ -212,6 +214,6 @@ def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows
         s_shape = (1, 1, 1, 1)
     q_sharding = parallel.query_head_sharding(mesh) if config.compression else parallel.replicated(mesh)
     s_sharding = parallel.kv_head_sharding(mesh) if config.tracks_history else parallel.replicated(mesh)
-    make = jax.jit(lambda: (jnp.zeros(q_shape, dtype), jnp.zeros(s_shape, jnp.float32)),
-                   out_shardings=(q_sharding, s_sharding))
-    return make()
+    make = jax.jit(lambda fill: (jnp.full(q_shape, fill, dtype), jnp.full(s_shape, fill, jnp.float32)),
+                   out_shardings=(q_sharding, s_sharding))  # a runtime fill: see allocate_pool
+    return make(np.zeros((), np.float32))
