@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from zipage_jax.models import ModelConfig, forward_dense
+from zipage_jax.models import ModelConfig, forward_dense, weights
 from zipage_jax.models.params import param_shapes
 from zipage_jax.parallel import make_mesh
 from zipage_jax.models.weights import shard_params
@@ -86,6 +86,9 @@ def test_load_sharded_equals_sharding_the_loaded_params(name):
                                       mine.astype(ml_dtypes.bfloat16).astype(np.float32))
     for shard in got.layers[0].down_proj.addressable_shards:
         assert shard.data.shape == (cfg.intermediate_size // 2, cfg.hidden_size)
+    for device in mesh.devices.flat:  # what the engine plans with before it loads (it allocates the pool first)
+        held = sum(s.data.nbytes for x in jax.tree.leaves(got) for s in x.addressable_shards if s.device == device)
+        assert weights.device_bytes(cfg, jnp.bfloat16, mesh, device) == held
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):

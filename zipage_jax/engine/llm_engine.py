@@ -30,7 +30,7 @@ from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.sampling_params import SamplingParams, completion_budget
-from zipage_jax.worker import device_memory, kv_cache
+from zipage_jax.worker import device_memory, device_state, kv_cache
 from zipage_jax.worker.compile_counter import CompileCounter
 from zipage_jax.worker.model_runner import ModelRunner, Runner
 
@@ -108,24 +108,36 @@ class LLMEngine:
         config, model_cfg = self.config, self.model_cfg
         self.dtype = resolve_dtype(config.dtype, model_cfg)
         self.mesh = parallel.make_mesh(config.tensor_parallel_size, model_cfg)
-        start = time.perf_counter()
-        if params is None:  # straight into the shards: no device holds more than its own
-            self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)
-        else:
-            self.params = weights.shard_params(params, self.mesh)
-        jax.block_until_ready(self.params)
-        self.weights_load_s = time.perf_counter() - start  # read, copied to the devices, converted there
         backend = resolve_backend(config.attention_backend)
         if config.tensor_parallel_size > 1:
             backend = sharded(backend, self.mesh)
         device = jax.local_devices()[0]
-        weights_bytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
-                            for shard in leaf.addressable_shards if shard.device == device)
-        self.memory_plan = z = kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend,
-                                                    allocator=self.allocator, weights_bytes=weights_bytes)
+
+        def plan(weights_bytes):
+            return kv_cache.plan_memory(config, model_cfg, self.dtype, self.max_model_len, backend,
+                                        allocator=self.allocator, weights_bytes=weights_bytes)
+
+        state = None
+        start = time.perf_counter()
+        if params is None:
+            # The pool first, while the allocator is empty: its two largest blocks then cannot meet memory that
+            # the weight load fragmented (an 80 GB H100 failed to place the second 25.7 GiB pool after it).
+            self.memory_plan = plan(weights.device_bytes(model_cfg, self.dtype, self.mesh, device))
+            state = device_state.allocate(config, model_cfg, self.memory_plan.num_pages,
+                                          self.memory_plan.num_query_rows, self.dtype, self.mesh)
+            start = time.perf_counter()
+            self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)  # into the shards
+        else:
+            self.params = weights.shard_params(params, self.mesh)
+        jax.block_until_ready(self.params)
+        self.weights_load_s = time.perf_counter() - start  # read, copied to the devices, converted there
+        if state is None:
+            self.memory_plan = plan(sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
+                                        for shard in leaf.addressable_shards if shard.device == device))
+        z = self.memory_plan
         num_pages = z.num_pages
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
-                             progress=log_compile)
+                             progress=log_compile, state=state)
         page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         log.info("memory plan: %s", z.describe())
         return runner, Scheduler(page_manager, config, z)

@@ -11,6 +11,7 @@ is one field, never two copies of the model. ``load_sharded`` sends each device 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import functools
 import os
 import json
@@ -178,10 +179,7 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
     one fills its own devices' shards.
     """
     ckpt = SafetensorsCheckpoint(path)
-    shapes = param_shapes(cfg)
-    stacked = params_from_flat({f: None if s is None else jax.ShapeDtypeStruct(s, dtype) for f, s in shapes.items()})
-    abstract = jax.eval_shape(lambda p: to_serving(p, mesh.size), stacked)
-    targets = param_shardings(abstract, mesh)
+    abstract, targets = _serving_targets(cfg, dtype, mesh)
     used: set[str] = set()
 
     def load(weights: list[Weight], target, sharding, layer: int | None = None):
@@ -211,6 +209,25 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
     top = {name: loaded.get(name) for name in WEIGHTS if not name.startswith("layers.")}
     _check_all_used(ckpt, used, cfg)
     return ServingParams(layers=tuple(layers), shards=mesh.size, **top)
+
+
+def _serving_targets(cfg: ModelConfig, dtype, mesh) -> tuple[ServingParams, ServingParams]:
+    """The serving layout's shapes (``jax.ShapeDtypeStruct`` leaves) and their shardings."""
+    shapes = param_shapes(cfg)
+    stacked = params_from_flat({f: None if s is None else jax.ShapeDtypeStruct(s, dtype) for f, s in shapes.items()})
+    abstract = jax.eval_shape(lambda p: to_serving(p, mesh.size), stacked)
+    return abstract, param_shardings(abstract, mesh)
+
+
+def device_bytes(cfg: ModelConfig, dtype, mesh, device) -> int:
+    """What ``load_sharded`` will hold on ``device``, known before loading (the engine plans its memory and
+    allocates the KV pool first, into an allocator that nothing has fragmented yet)."""
+    abstract, targets = _serving_targets(cfg, dtype, mesh)
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(targets)):
+        if device in sharding.device_set:
+            total += math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total
 
 
 def _load_sharded_field(ckpt, names, hf_shapes, transpose: bool, target, sharding, shards: int):

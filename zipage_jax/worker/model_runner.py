@@ -207,7 +207,7 @@ def _swap_scatter(state: DeviceState, pages, query_row, k, v, scores, queries, *
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, plan: kv_cache.MemoryPlan, params,
-                 backend: AttentionBackend, mesh, eos_token_ids=(), progress=None):
+                 backend: AttentionBackend, mesh, eos_token_ids=(), progress=None, state: DeviceState | None = None):
         self.config = config
         self.model_cfg = model_cfg
         self.params = params
@@ -223,7 +223,9 @@ class ModelRunner:
         self.num_query_rows = plan.num_query_rows
         self.query_sink = self.num_query_rows  # rows of requests without a query row store their queries here
         self.max_compression_pages = plan.max_compression_pages
-        self.state = device_state.allocate(config, model_cfg, num_pages, self.num_query_rows, plan.dtype, mesh)
+        if state is None:  # else allocated by the caller, before the weights (``LLMEngine``)
+            state = device_state.allocate(config, model_cfg, num_pages, self.num_query_rows, plan.dtype, mesh)
+        self.state = state
         self.scoring = config.scoring
         store = None
         if config.compilation_cache_dir:  # warm starts load the programs without tracing them
