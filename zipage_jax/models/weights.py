@@ -192,16 +192,19 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
 
     # Every leaf is read (memory-mapped), assembled (fused columns) and copied to its devices on a thread pool:
     # reading one leaf overlaps the host->device copies of others (numpy and the copies release the GIL).
+    # The embedding and the LM head go first: the engine allocates its KV pool before loading, and their
+    # transposes (with XLA autotuning each new shape: several outputs of ~1.2 GB at Qwen3-8B's vocabulary) need
+    # the room that the layers' weights take later (loaded last, an H100 at its default plan ran out of memory).
     jobs = {}
+    for name in (n for n in WEIGHTS if not n.startswith("layers.")):
+        target = getattr(abstract, name)
+        if target is not None:
+            jobs[name] = ([WEIGHTS[name]], target, getattr(targets, name), None)
     for i, (layer, sharding) in enumerate(zip(abstract.layers, targets.layers)):
         for field, parts in SERVING_LAYER_PARTS.items():
             target = getattr(layer, field)
             if target is not None:
                 jobs[(i, field)] = ([WEIGHTS[f"layers.{p}"] for p in parts], target, getattr(sharding, field), i)
-    for name in (n for n in WEIGHTS if not n.startswith("layers.")):
-        target = getattr(abstract, name)
-        if target is not None:
-            jobs[name] = ([WEIGHTS[name]], target, getattr(targets, name), None)
     with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
         loaded = dict(zip(jobs, pool.map(lambda job: load(*job), jobs.values())))
     layers = [ServingLayer(**{field: loaded.get((i, field)) for field in SERVING_LAYER_PARTS})
