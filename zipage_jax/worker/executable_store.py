@@ -20,6 +20,7 @@ import os
 import pathlib
 import pickle
 import tempfile
+import threading
 
 import jax
 from jax.experimental import serialize_executable
@@ -88,6 +89,7 @@ class ExecutableStore:
         self.fingerprint = fingerprint
         self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self.loaded = self.saved = self.rejected = 0
+        self._count = threading.Lock()  # load runs on several threads at once
 
     def key(self, program) -> str:
         text = repr((self.fingerprint, program.key, abstract_signature(program.args), sorted(program.static.items()),
@@ -111,11 +113,13 @@ class ExecutableStore:
         except Exception as exc:  # noqa: BLE001 - any failure means: compile it again
             log.warning("executable store: dropping %s (%s: %s); compiling %s again", path.name,
                         type(exc).__name__, exc, program.name)
-            self.rejected += 1
+            with self._count:
+                self.rejected += 1
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used: pruned last
-        self.loaded += 1
+        with self._count:
+            self.loaded += 1
         return compiled
 
     def save(self, program, compiled):

@@ -1,6 +1,7 @@
 """The engine's compiled programs: one per (step function, static shape bucket), compiled ahead of their use.
 
-Warm-up hands every bucket to ``compile_all``, which first loads what the executable store keeps (no tracing),
+Warm-up hands every bucket to ``compile_all``, which first loads what the executable store keeps (no tracing, on a
+thread pool),
 then lowers the rest one by one (tracing holds the GIL), each compile starting on a thread pool as soon as its
 program is lowered (XLA releases the GIL while it compiles), reporting progress as each finishes, and keeps them
 in the store. A bucket met later compiles on first use. Calling a ``jax.stages.Compiled`` costs the same as a
@@ -84,11 +85,11 @@ class Programs:
         if not todo:
             return 0.0
         start = time.perf_counter()
-        if self.store is not None:
-            for program in todo:
-                compiled = self.store.load(program)
-                if compiled is not None:
-                    self._compiled[program.key] = compiled
+        if self.store is not None:  # in parallel: each load reads a file and loads its executable's kernels
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as loader:
+                for program, compiled in zip(todo, loader.map(self.store.load, todo)):
+                    if compiled is not None:
+                        self._compiled[program.key] = compiled
             todo = [p for p in todo if p.key not in self._compiled]
             self.load_s += time.perf_counter() - start
         stopping = {stop} if stop is not None else set()
