@@ -27,6 +27,20 @@ def pytest_configure(config):
     settings.load_profile("explore" if seeds.mode == "random" else "ci")
 
 
+# The longest test files, longest first (CPU seconds on a 2-core machine; tail of the list ~20 s). With
+# `--dist loadfile` each file runs whole on one worker in collection order: started first, they leave the short
+# files to fill both workers at the end, instead of one long file running alone after the rest is done.
+LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_compression_engine.py", "test_notebooks.py",
+                 "test_tensor_parallel.py", "test_compression_bench.py", "test_bench.py", "test_scoring_kernel.py",
+                 "test_compaction_kernel.py", "test_serving_bench.py", "test_models.py", "test_compression_math.py",
+                 "test_readme.py", "test_kernels.py", "test_throughput_bench.py", "test_sweep.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     seeds.test_id = item.nodeid
