@@ -33,7 +33,7 @@ def pytest_configure(config):
 LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_compression_engine.py", "test_notebooks.py",
                  "test_tensor_parallel.py", "test_compression_bench.py", "test_bench.py", "test_scoring_kernel.py",
                  "test_compaction_kernel.py", "test_serving_bench.py", "test_models.py", "test_compression_math.py",
-                 "test_readme.py", "test_kernels.py", "test_throughput_bench.py", "test_sweep.py")
+                 "test_readme.py", "test_kernels.py", "test_throughput_bench.py", "test_engine_process.py", "test_sweep.py")
 
 
 def pytest_collection_modifyitems(items):
