@@ -5,6 +5,8 @@ final logits are float32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -136,6 +138,21 @@ def _fused_mlp(layer: ServingLayer, cfg: ModelConfig, shards: int, x: jax.Array)
     return _gated(gate, up, layer.down_proj)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "shards", "backend"))
+def _paged_layer(layer: ServingLayer, x, k_pool, v_pool, index, batch: PagedBatch, cos, sin, *, cfg: ModelConfig,
+                 shards: int, backend):
+    """One decoder layer of ``forward_paged``: ``(x, k_pool, v_pool, q)``."""
+    q, k, v = _fused_qkv(layer, cfg, shards, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+    k_pool, v_pool = backend.write_kv(k_pool, v_pool, index, batch.slot_mapping, k, v)
+    sm_scale = cfg.head_dim ** -0.5
+    if batch.cu_q_lens is None:
+        attn = backend.decode(q, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
+    else:
+        attn = backend.prefill(q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables, sm_scale)
+    x = x + attn.reshape(x.shape[0], cfg.q_size) @ layer.o_proj
+    return x + _fused_mlp(layer, cfg, shards, x), k_pool, v_pool, q
+
+
 def forward_paged(
     params: ServingParams,
     cfg: ModelConfig,
@@ -156,24 +173,17 @@ def forward_paged(
 
     The layer loop is unrolled over `ServingParams`' per-layer buffers, so every matmul reads its weights in
     place (a scan would copy each layer's slice of stacked weights first); the pools are addressed by layer
-    index, never sliced, and updated in place under donation.
+    index, never sliced, and updated in place under donation. Each layer calls one jitted `_paged_layer`, traced
+    once per program.
     """
     cos, sin = rope_cos_sin(batch.positions, cfg)
-    sm_scale = cfg.head_dim ** -0.5
-    num_tokens = batch.tokens.shape[0]
     x = params.embed[batch.tokens]
     queries = []
     for index, layer in enumerate(params.layers):
-        index = jnp.int32(index)  # a traced operand: every layer shares one kernel instance
-        q, k, v = _fused_qkv(layer, cfg, params.shards, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
-        k_pool, v_pool = backend.write_kv(k_pool, v_pool, index, batch.slot_mapping, k, v)
-        if batch.cu_q_lens is None:
-            attn = backend.decode(q, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
-        else:
-            attn = backend.prefill(q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables,
-                                   sm_scale)
-        x = x + attn.reshape(num_tokens, cfg.q_size) @ layer.o_proj
-        x = x + _fused_mlp(layer, cfg, params.shards, x)
+        # one traced function for every layer (the index is an operand): a program traces and lowers one layer,
+        # not 36, and XLA inlines the 36 calls
+        x, k_pool, v_pool, q = _paged_layer(layer, x, k_pool, v_pool, jnp.int32(index), batch, cos, sin, cfg=cfg,
+                                            shards=params.shards, backend=backend)
         queries.append(q)
     out = (final_logits(params, cfg, x[batch.logits_indices]), k_pool, v_pool)
     if return_queries:
