@@ -6,6 +6,9 @@
 # (POOL bytes) puts full KV under the memory pressure that long reasoning outputs bring.
 #   OUT=/tmp/out bash scripts/gpu_serving.sh
 #   OUT=/tmp/out STAGE=streams bash scripts/gpu_serving.sh   # only the closed-loop streams against the offline engine
+#   OUT=/tmp/out STAGE=rates POOL=1500000000 RATES="2 4 8" REQUESTS=96 bash scripts/gpu_serving.sh
+#       # only the request rates of both modes, with a pool small enough that full KV saturates (~10 requests of
+#       # 1k tokens fit) and compressed does not: the rate each sustains at p99 TTFT <= 2 s
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -37,13 +40,13 @@ bench() {  # name, seconds, bench serving arguments...
 stop() { kill -INT $SERVER; wait $SERVER; }
 
 if serve compressed --compression --kv-budget-pages "$BUDGET"; then
-  bench compressed_streams 120 --rates --requests "$STREAMS" --concurrency "$STREAMS"
+  [ "${STAGE:-all}" = rates ] || bench compressed_streams 120 --rates --requests "$STREAMS" --concurrency "$STREAMS"
   [ "${STAGE:-all}" = streams ] || bench compressed_rates 150 --rates ${RATES:-4 8 16} --requests "$REQUESTS"
-  [ "${STAGE:-all}" = streams ] || bench compressed_soak 120 --rates --requests "$REQUESTS" --soak ${SOAK:-45} --soak-rate 8 --cancel-prob 0.3 \
+  [ "${STAGE:-all}" = all ] && bench compressed_soak 120 --rates --requests "$REQUESTS" --soak ${SOAK:-45} --soak-rate 8 --cancel-prob 0.3 \
     --server-pid $SERVER --drain-timeout 60
   stop
 fi
-bench offline_streams 150 --offline "${engine[@]}" --compression --kv-budget-pages "$BUDGET" --requests "$STREAMS" \
+[ "${STAGE:-all}" = rates ] || bench offline_streams 150 --offline "${engine[@]}" --compression --kv-budget-pages "$BUDGET" --requests "$STREAMS" \
   --concurrency "$STREAMS"
 [ "${STAGE:-all}" = streams ] && exit 0
 if serve full; then
