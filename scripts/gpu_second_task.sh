@@ -11,6 +11,8 @@
 #     PROBLEMS=400 each). Writes train.log (the loss and, per task, the conclusion's loss: the S: line was at
 #     chance, ~2 nats a digit, in the first run), tiny-reasoner.tgz (the checkpoint and its train_log.json),
 #     eval_<task>.json and eval.log (one summary line per task: "full KV ...: accuracy A over 400 questions").
+#     INIT=outputs/second_task/tiny-reasoner.tgz (carried) continues from an earlier run's checkpoint instead, for
+#     a second call when the interleaved_sums conclusion loss in train.log is still falling at the end.
 #
 #   STAGE=ablate PART=1..4 MODEL=outputs/second_task/tiny-reasoner.tgz OUT=... bash scripts/gpu_second_task.sh
 #     Issue 31 item 2 on both tasks' test splits, 400 problems per cell, budgets M = 4,6,10,20 pages of 16
@@ -41,8 +43,9 @@ parts=("" "full-kv default rkv-like window-only" "no-global no-pooling no-redund
 
 case "${STAGE:-train}" in
 train)
-  ckpt=$OUT/tiny-reasoner
-  timeout $(( $(left) - 150 )) python3 scripts/train_tiny.py --out "$ckpt" --init zipage_jax/assets/tiny-reasoner \
+  ckpt=$OUT/tiny-reasoner init=${INIT:-zipage_jax/assets/tiny-reasoner}
+  if [ -f "$init" ]; then mkdir -p /tmp/init && tar -xzf "$init" -C /tmp/init && init=/tmp/init/tiny-reasoner; fi
+  timeout $(( $(left) - 150 )) python3 scripts/train_tiny.py --out "$ckpt" --init "$init" \
     --tasks repeated_addition,interleaved_sums,interleaved_sums --batch 128 --lr 1e-3 --warmup 60 --steps 20000 \
     --answer-weight 10 --train-seconds "${TRAIN_SECONDS:-300}" --eval-problems 200 --greedy-samples 0 \
     2>&1 | grep -v Warning | tee "$OUT/train.log"
