@@ -14,11 +14,16 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
 
 (the second stage ran as `bash scripts/gpu_train_and_eval.sh`: --train-seconds 380 chose 1880 steps at 195 ms).
 
-The interleaved-sums task was added in a third stage, warm-started from the second, on batches one third
-repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_accuracy_lab.sh`; its log is the shipped train_log.json):
+The interleaved-sums task is trained in a third stage, warm-started from the second, on batches one third
+repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_second_task.sh`):
 
     PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init zipage_jax/assets/tiny-reasoner \
         --tasks repeated_addition,interleaved_sums,interleaved_sums --batch 128 --lr 1e-3 --warmup 60 --steps STEPS
+
+Its first run (788 steps; docs/accuracy_lab/stage3_train_log.json) scored 0 % on interleaved sums with full KV:
+every scratchpad line right, the `S:` line (the sum of the two last lines) at chance, because only the boxed
+answer was weighted up and the batch loss (0.013, the `S:` digits' ln 10 share) hid it. The answer weight now
+covers each task's whole `conclusion`, and the log follows the conclusion's loss per task (`conclusion_loss`).
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
 --train-seconds) reproduces a run exactly.
@@ -42,7 +47,8 @@ from zipage_jax.models.weights import init_random_params, load_hf_weights
 from zipage_jax.tasks import TASKS, boxed_answer
 from zipage_jax.tasks.export import qwen3_hf_config, save_hf_checkpoint
 from zipage_jax.tasks.tokenizer import IM_END_ID, PAD_ID, VOCAB, encode_chat
-from zipage_jax.tasks.training_data import SEQ_LEN, answer_start, encode_batch, sample_visibility, visibility_mask
+from zipage_jax.tasks.training_data import (SEQ_LEN, conclusion_start, conclusion_targets, encode_batch,
+                                            sample_visibility, visibility_mask)
 
 TIMING_STEPS = 30
 
@@ -66,7 +72,8 @@ def parse_args(argv=None):
                    help=f"comma-separated tasks of {sorted(TASKS)}, each entry an equal share of every batch (a task "
                         "named twice gets two shares)")
     p.add_argument("--evict-fraction", type=float, default=0.5, help="share of rows trained under eviction masks")
-    p.add_argument("--answer-weight", type=float, default=10.0, help="loss weight of the \\boxed{...} tokens")
+    p.add_argument("--answer-weight", type=float, default=10.0,
+                   help="loss weight of each problem's conclusion (the boxed answer; interleaved sums' S: line too)")
     p.add_argument("--eval-problems", type=int, default=500)
     p.add_argument("--greedy-samples", type=int, default=32, help="eval problems also decoded greedily")
     p.add_argument("--init", default=None, help="HF checkpoint to continue from instead of a random init")
@@ -88,11 +95,15 @@ def parse_args(argv=None):
     return args
 
 
+def task_shares(tasks: list[str], batch: int) -> list[int]:
+    """Rows of each entry of `tasks` in a batch: an even split, the first entries taking the remainder."""
+    return [batch // len(tasks) + (i < batch % len(tasks)) for i in range(len(tasks))]
+
+
 def training_batch(tasks: list[str], batch: int, seed: int) -> list:
-    """`batch` train problems drawn from `seed`, split evenly between the entries of `tasks` (the first ones take
-    the remainder; each entry draws from its own seed, so a task named twice gets distinct problems)."""
-    shares = [batch // len(tasks) + (i < batch % len(tasks)) for i in range(len(tasks))]
-    return [p for i, (task, n) in enumerate(zip(tasks, shares))
+    """`batch` train problems drawn from `seed`, `task_shares` of each entry of `tasks` in order (each entry
+    draws from its own seed, so a task named twice gets distinct problems)."""
+    return [p for i, (task, n) in enumerate(zip(tasks, task_shares(tasks, batch)))
             for p in TASKS[task](n, seed=seed * len(tasks) + i, split="train")]
 
 
@@ -106,13 +117,15 @@ def architecture(args) -> dict:
     )
 
 
-def loss_fn(params: Params, cfg: ModelConfig, tokens, weights, window, keep):
-    """Weighted mean next-token cross-entropy, each row attending under its visibility mask."""
+def loss_fn(params: Params, cfg: ModelConfig, tokens, weights, window, keep, conclusion):
+    """Weighted mean next-token cross-entropy, each row attending under its visibility mask; and, for the log,
+    each row's mean cross-entropy over its conclusion targets (`conclusion`, [B, T-1] bool)."""
     compute = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     mask = visibility_mask(window, keep[:, :-1])
     logits = forward_dense(compute, cfg, tokens[:, :-1], attention_mask=mask)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return jnp.sum(losses * weights) / jnp.sum(weights)
+    per_row = jnp.sum(losses * conclusion, axis=1) / jnp.maximum(jnp.sum(conclusion, axis=1), 1)
+    return jnp.sum(losses * weights) / jnp.sum(weights), per_row
 
 
 def make_optimizer(args):
@@ -130,10 +143,11 @@ def learning_rate(step: int, total: int, args) -> float:
 
 
 @partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0, 3))
-def train_step(params, cfg, optimizer, opt_state, tokens, weights, window, keep, lr):
-    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, weights, window, keep)
+def train_step(params, cfg, optimizer, opt_state, tokens, weights, window, keep, conclusion, lr):
+    (loss, conclusion_loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, cfg, tokens, weights, window, keep, conclusion)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return jax.tree.map(lambda p, u: p - lr * u, params, updates), opt_state, loss
+    return jax.tree.map(lambda p, u: p - lr * u, params, updates), opt_state, loss, conclusion_loss
 
 
 @partial(jax.jit, static_argnums=(1,))
@@ -184,15 +198,16 @@ def decode_text(ids) -> str:
 
 
 def teacher_forced_scores(params, cfg, problems: list, evict_fraction: float, seed: int) -> dict:
-    """Share of problems whose greedy decoding reproduces the reference exactly, and share whose answer
-    tokens come out right given the reference scratchpad, under masks drawn with `evict_fraction`."""
+    """Share of problems whose greedy decoding reproduces the reference exactly, and share whose conclusion
+    (the `S:` line too for interleaved sums) comes out right given the reference scratchpad, under masks drawn
+    with `evict_fraction`."""
     tokens, weights = encode_batch(problems)
     window, keep = sample_visibility(problems, np.random.default_rng(seed), evict_fraction)
     hits = np.concatenate([np.asarray(teacher_forced_match(
         params, cfg, *(jnp.asarray(x[i : i + 25]) for x in (tokens, weights, window, keep))))
         for i in range(0, len(problems), 25)])
-    answer = [hits[i, answer_start(p) - 1 :].all() for i, p in enumerate(problems)]
-    return {"exact": float(np.mean(hits.all(axis=1))), "answer_given_scratchpad": float(np.mean(answer))}
+    conclusion = [hits[i, conclusion_start(p) - 1 :].all() for i, p in enumerate(problems)]
+    return {"exact": float(np.mean(hits.all(axis=1))), "conclusion_given_scratchpad": float(np.mean(conclusion))}
 
 
 def evaluate(params: Params, cfg: ModelConfig, problems: list, greedy_samples: int) -> dict:
@@ -210,9 +225,9 @@ def evaluate(params: Params, cfg: ModelConfig, problems: list, greedy_samples: i
     return {
         "problems": len(problems),
         "full_kv_greedy_reproduces_reference": full["exact"],
-        "full_kv_answer_given_scratchpad": full["answer_given_scratchpad"],
+        "full_kv_conclusion_given_scratchpad": full["conclusion_given_scratchpad"],
         "eviction_masks_greedy_reproduces_reference": evicted["exact"],
-        "eviction_masks_answer_given_scratchpad": evicted["answer_given_scratchpad"],
+        "eviction_masks_conclusion_given_scratchpad": evicted["conclusion_given_scratchpad"],
         "greedy_samples": greedy_samples,
         "greedy_samples_answer_accuracy": float(np.mean([boxed_answer(t) == p.answer for t, p in zip(texts, sampled)] or [0])),
         "greedy_samples_equal_reference": float(np.mean([t == p.solution() for t, p in zip(texts, sampled)] or [0])),
@@ -239,7 +254,8 @@ def main(argv=None):
     optimizer = make_optimizer(args)
     opt_state = optimizer.init(params)
 
-    log = {"args": vars(args), "params": n_params, "loss": []}
+    log = {"args": vars(args), "params": n_params, "loss": [], "conclusion_loss": []}
+    row_task = np.repeat(args.tasks, task_shares(args.tasks, args.batch))
     if args.init is not None and (Path(args.init) / "train_log.json").is_file():  # the earlier stage, for the record
         init_log = json.loads((Path(args.init) / "train_log.json").read_text())
         log["init_log"] = {**init_log, "eval": {k: v for k, v in init_log.get("eval", {}).items() if k != "samples"}}
@@ -252,8 +268,9 @@ def main(argv=None):
         tokens, weights = encode_batch(problems, args.answer_weight)
         window, keep = sample_visibility(problems, np.random.default_rng(batch_seed), args.evict_fraction)
         lr = jnp.float32(learning_rate(step, total, args))
-        params, opt_state, loss = train_step(params, cfg, optimizer, opt_state,
-                                             *(jnp.asarray(x) for x in (tokens, weights, window, keep)), lr)
+        conclusion = conclusion_targets(problems)
+        params, opt_state, loss, conclusion_loss = train_step(
+            params, cfg, optimizer, opt_state, *(jnp.asarray(x) for x in (tokens, weights, window, keep, conclusion)), lr)
         if step == 4 and args.train_seconds is not None:
             jax.block_until_ready(params)
             warm_start = time.time()
@@ -266,8 +283,12 @@ def main(argv=None):
         if step % args.log_every == 0 or step == total - 1:
             loss = float(loss)
             elapsed = time.time() - start
+            per_task = np.asarray(conclusion_loss)
+            per_task = {task: round(float(per_task[row_task == task].mean()), 4) for task in dict.fromkeys(args.tasks)}
             log["loss"].append([step, loss, round(elapsed, 1)])
-            print(f"step {step:5d}  loss {loss:.4f}  lr {float(lr):.2e}  {elapsed:7.1f}s", flush=True)
+            log["conclusion_loss"].append([step, per_task])
+            print(f"step {step:5d}  loss {loss:.4f}  lr {float(lr):.2e}  {elapsed:7.1f}s  conclusion loss "
+                  + "  ".join(f"{task} {value:.4f}" for task, value in per_task.items()), flush=True)
         step += 1
     jax.block_until_ready(params)
     log["steps_done"] = total

@@ -54,6 +54,11 @@ def test_bad_inputs_raise():
         Problem(12345, 7)
 
 
+def test_conclusion_is_the_boxed_product_at_the_end():
+    for p in sample_problems(20, seed=2, split="train"):
+        assert p.conclusion == f"\\boxed{{{p.a * p.b}}}" and p.solution().endswith("\n" + p.conclusion)
+
+
 def test_boxed_answer_takes_the_last_box():
     assert boxed_answer(r"x \boxed{12} then \boxed{ 345 }") == "345"
     assert boxed_answer("no box") is None
@@ -102,6 +107,8 @@ def test_interleaved_solution_alternates_blocks_and_sums_both_products():
         # the lines read after a gap: each run's last line
         ends = list(np.cumsum(runs) - 1)
         assert p.recalled_lines() == ends
+        # the conclusion: the S: line (which adds the two last lines, one of them after a gap) and the box
+        assert text.endswith(p.conclusion) and p.conclusion == "\n".join(text.split("\n")[-2:])
 
 
 def test_interleaved_splits_lengths_and_bad_inputs():

@@ -5,24 +5,30 @@ import pytest
 
 from zipage_jax.tasks import interleaved_sums, sample_problems
 from zipage_jax.tasks.tokenizer import PAD_ID, encode_chat
-from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, encode_batch, recalled_mask,
-                                            sample_visibility, visibility_mask)
+from zipage_jax.tasks.training_data import (DIGIT_IDS, SEQ_LEN, WINDOW_RANGE, conclusion_targets, encode_batch,
+                                            recalled_mask, sample_visibility, visibility_mask)
 from seeds import fresh_seed, seeded_rng
 
 
-def test_loss_weights_cover_the_assistant_and_weight_the_answer():
-    problems = sample_problems(3, seed=fresh_seed(), split="train")
+def test_loss_weights_cover_the_assistant_and_weight_the_conclusion():
+    """The answer weight covers what is computed once from the finished scratchpad: the boxed answer, and for
+    interleaved sums the `S:` line before it (at weight 1 it stayed at chance in the first run)."""
+    problems = [*sample_problems(2, seed=fresh_seed(), split="train"),
+                *interleaved_sums.sample_problems(2, seed=fresh_seed(), split="train")]
     tokens, weights = encode_batch(problems, answer_weight=7.5)
-    assert tokens.shape == (3, SEQ_LEN) and weights.shape == (3, SEQ_LEN - 1)
+    conclusion = conclusion_targets(problems)
+    assert tokens.shape == (4, SEQ_LEN) and weights.shape == conclusion.shape == (4, SEQ_LEN - 1)
     for row, p in enumerate(problems):
         ids = encode_chat(p.question, p.solution())
         assert tokens[row, : len(ids)].tolist() == ids and (tokens[row, len(ids):] == PAD_ID).all()
         text = p.solution() + "#"  # '#' stands for the closing <|im_end|>
+        first = text.rindex("S:") if row >= 2 else text.index("\\boxed")
         prompt = len(encode_chat(p.question))
         expected = np.zeros(SEQ_LEN - 1)
         for i, ch in enumerate(text):  # target position prompt + i is predicted at prompt + i - 1
-            expected[prompt + i - 1] = 7.5 if i >= text.index("\\boxed") else 1.0
+            expected[prompt + i - 1] = 7.5 if i >= first else 1.0
         np.testing.assert_array_equal(weights[row], expected)
+        np.testing.assert_array_equal(conclusion[row], (expected == 7.5) & (np.arange(SEQ_LEN - 1) < len(ids) - 2))
     with pytest.raises(ValueError, match="answer_weight"):
         encode_batch(problems, answer_weight=0.0)
 

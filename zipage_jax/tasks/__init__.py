@@ -1,7 +1,8 @@
 """Synthetic long-reasoning tasks and the tokenizer / export helpers of the shipped tiny model.
 
 ``TASKS`` maps each task's name to its problem sampler ``(n, seed, split) -> problems``; every problem has
-``question``, ``answer``, ``split`` and ``solution()``.
+``question``, ``answer``, ``split``, ``solution()`` and ``conclusion`` (the end of the solution computed once from
+the finished scratchpad, which training weights up).
 """
 
 from zipage_jax.tasks import interleaved_sums, repeated_addition

@@ -82,11 +82,18 @@ class InterleavedProblem:
         order = self.lines()
         return [i for i, (name, _) in enumerate(order) if i + 1 == len(order) or order[i + 1][0] != name]
 
+    @property
+    def conclusion(self) -> str:
+        """The end of `solution()` computed once from the finished scratchpad: the `S:` line (the sum of the two
+        last lines, one of them far back) and the boxed result. Training weights it up and checks it given the
+        reference scratchpad: the `S:` line is the only step of the task that adds two scratchpad lines, and
+        it occurs once per problem against ~45 running-sum lines, so at weight 1 it went unlearned."""
+        return f"S:{_digits(self.a * self.b + self.c * self.d)}\n\\boxed{{{self.answer}}}"
+
     def solution(self) -> str:
-        """The reference reasoning: the interleaved running sums, their sum, then the boxed result."""
+        """The reference reasoning: the interleaved running sums, then the conclusion."""
         factor = {"X": self.a, "Y": self.c}
-        text = "".join(f"{name}{k:02d}:{_digits(k * factor[name])}\n" for name, k in self.lines())
-        return text + f"S:{_digits(self.a * self.b + self.c * self.d)}\n\\boxed{{{self.answer}}}"
+        return "".join(f"{name}{k:02d}:{_digits(k * factor[name])}\n" for name, k in self.lines()) + self.conclusion
 
 
 def sample_problems(n: int, seed: int, split: str) -> list[InterleavedProblem]:

@@ -54,10 +54,16 @@ class Problem:
         digest = hashlib.blake2b(f"{self.a}*{self.b}".encode(), digest_size=8).digest()
         return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
 
+    @property
+    def conclusion(self) -> str:
+        """The end of `solution()` computed once from the finished scratchpad: here the boxed product (the last
+        sum reversed). Training weights it up and checks it given the reference scratchpad."""
+        return f"\\boxed{{{self.answer}}}"
+
     def solution(self) -> str:
         """The reference reasoning: one line per partial sum, then the boxed product."""
         lines = [f"{k:02d}:{str(k * self.a).zfill(SUM_DIGITS)[::-1]}\n" for k in range(1, self.b + 1)]
-        return "".join(lines) + f"\\boxed{{{self.answer}}}"
+        return "".join(lines) + self.conclusion
 
 
 def sample_problems(n: int, seed: int, split: str) -> list[Problem]:

@@ -7,8 +7,11 @@ digits of the prompt (the operands) and the scratchpad lines the task reads agai
 (`recalled_lines`), the rest of the prompt with probability `q`, a recent window of `r` tokens, and every
 older token with probability `p` (one draw per token and row, so a token out of the window stays hidden, as an
 evicted entry does). The other rows are
-plain causal (full KV). Answer tokens carry extra loss weight: they are ~10 of ~620 targets, yet they alone
-need the reversal of the last LSD-first sum into the MSD-first product.
+plain causal (full KV). The conclusion's tokens (`problem.conclusion`: what is computed once from the finished
+scratchpad) carry extra loss weight: they are ~10 to ~20 of ~600 targets, yet they alone need the reversal of the
+last LSD-first sum into the MSD-first product, and for interleaved sums the addition of two scratchpad lines, one
+of them far back. (At weight 1 that `S:` line stayed at chance while the batch loss looked converged: its 7
+digits at ln 10 each are ~0.015 of a batch mean, the plateau of the first interleaved-sums run.)
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ PROMPT_KEEP_PROBS = (0.0, 0.5, 1.0)  # q: the same for the prompt tokens other t
 DIGIT_IDS = encode_chars("0123456789")
 
 
-def answer_start(problem) -> int:
-    """Index in `encode_chat(question, solution)` of the first answer token (the `\\` of `\\boxed{`)."""
-    return len(encode_chat(problem.question, problem.solution())) - len(f"\\boxed{{{problem.answer}}}") - 1
+def conclusion_start(problem) -> int:
+    """Index in `encode_chat(question, solution)` of the first token of `problem.conclusion`."""
+    return len(encode_chat(problem.question, problem.solution())) - len(problem.conclusion) - 1
 
 
 def encode_batch(problems: list, answer_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """tokens [B, SEQ_LEN] (PAD after the end) and loss weights [B, SEQ_LEN-1] (weight of target t+1).
 
-    Weight 1 on every assistant token, `answer_weight` on `\\boxed{...}<|im_end|>`, 0 on prompt and padding.
+    Weight 1 on every assistant token, `answer_weight` on the conclusion and <|im_end|>, 0 on prompt and padding.
     """
     if answer_weight <= 0:
         raise ValueError(f"answer_weight must be > 0, got {answer_weight}")
@@ -45,8 +48,18 @@ def encode_batch(problems: list, answer_weight: float = 1.0) -> tuple[np.ndarray
         ids = encode_chat(problem.question, problem.solution())
         tokens[i, : len(ids)] = ids
         weights[i, len(encode_chat(problem.question)) - 1 : len(ids) - 1] = 1.0
-        weights[i, answer_start(problem) - 1 : len(ids) - 1] = answer_weight
+        weights[i, conclusion_start(problem) - 1 : len(ids) - 1] = answer_weight
     return tokens, weights
+
+
+def conclusion_targets(problems: list) -> np.ndarray:
+    """[B, SEQ_LEN-1] bool, aligned with `encode_batch`'s weights: the targets of each problem's conclusion
+    (<|im_end|> excluded), whose loss the trainer logs per task."""
+    mask = np.zeros((len(problems), SEQ_LEN - 1), bool)
+    for i, problem in enumerate(problems):
+        start = conclusion_start(problem) - 1
+        mask[i, start : start + len(problem.conclusion)] = True
+    return mask
 
 
 def sample_visibility(problems: list, rng: np.random.Generator,
