@@ -99,6 +99,10 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path)
     assert report["programs"] == 2 * 1 + 3 + 1
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
+    phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it
+    assert list(phases) == ["backend", "config_and_tokenizer", "plan_and_pool", "weights", "runner"]
+    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= report["init_s"]
+    assert phases["weights"] == report["weights_s"]
     assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]
 
 

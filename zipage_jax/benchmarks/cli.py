@@ -77,6 +77,7 @@ def main(argv=None):
               f"tracing {r['lower_s']:.1f}s, compiling {r['compile_sum_s']:.1f}s summed) = ready in {r['ready_s']:.1f}s; "
               f"first token at {r['first_token_s']:.1f}s; {r['compiles_after_warmup']} compiles during a mixed "
               f"workload of {r['workload_requests']} requests")
+        print("LLM() by phase: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in r["init_phases_s"].items()))
         print(r["memory_plan"])
         if args.json:
             with open(args.json, "a") as f:

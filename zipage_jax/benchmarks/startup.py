@@ -62,7 +62,8 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     weights_s = llm.engine.weights_load_s
     return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, weights_s=weights_s, checkpoint_bytes=checkpoint_bytes,
+                memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, init_phases_s=dict(llm.engine.startup_s),
+                weights_s=weights_s, checkpoint_bytes=checkpoint_bytes,
                 weights_bytes_per_s=checkpoint_bytes / max(weights_s, 1e-9), raw_read_bytes_per_s=raw_bps,
                 programs=warmup["programs"], compile_s=warmup["compile_s"], loaded=warmup["loaded"],
                 load_s=warmup["load_s"], lower_s=warmup["lower_s"], compile_sum_s=warmup["compile_sum_s"],

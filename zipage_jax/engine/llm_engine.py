@@ -58,8 +58,13 @@ class LLMEngine:
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
+        # where LLM(...)'s seconds go, phase by phase (``bench startup`` prints them)
+        self.startup_s: dict[str, float] = {}
+        mark = time.perf_counter()
         with device_memory.start_backend(config.gpu_memory_utilization) as self.allocator:
             parallel.join_processes(config)  # before any device query: the backend starts at the block's end
+        jax.devices()  # the backend's start (CUDA, the client), timed apart
+        self.startup_s["backend"], mark = time.perf_counter() - mark, time.perf_counter()
         local = pathlib.Path(config.model).expanduser()
         self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
         self.model_path = config.model  # where the files are (a Hub id's snapshot)
@@ -76,6 +81,7 @@ class LLMEngine:
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg
+        self.startup_s["config_and_tokenizer"] = time.perf_counter() - mark
         if model_cfg is not None:
             eos.update(model_cfg.eos_token_ids)
             limit = model_cfg.max_position_embeddings
@@ -125,6 +131,8 @@ class LLMEngine:
             self.memory_plan = plan(weights.device_bytes(model_cfg, self.dtype, self.mesh, device))
             state = device_state.allocate(config, model_cfg, self.memory_plan.num_pages,
                                           self.memory_plan.num_query_rows, self.dtype, self.mesh)
+            jax.block_until_ready(state)
+            self.startup_s["plan_and_pool"] = time.perf_counter() - start
             start = time.perf_counter()
             self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)  # into the shards
         else:
@@ -134,10 +142,13 @@ class LLMEngine:
         if state is None:
             self.memory_plan = plan(sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
                                         for shard in leaf.addressable_shards if shard.device == device))
+        self.startup_s["weights"] = self.weights_load_s
         z = self.memory_plan
         num_pages = z.num_pages
+        start = time.perf_counter()
         runner = ModelRunner(config, model_cfg, z, self.params, backend, self.mesh, self.eos_token_ids,
                              progress=log_compile, state=state)
+        self.startup_s["runner"] = time.perf_counter() - start
         page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         log.info("memory plan: %s", z.describe())
         return runner, Scheduler(page_manager, config, z)
