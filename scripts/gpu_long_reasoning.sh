@@ -3,8 +3,10 @@
 #   OUT=/tmp/out bash scripts/gpu_long_reasoning.sh
 # The paper's regime (bench throughput --workload long-reasoning): KV budget M=8 pages of 256 = 2048 tokens, short
 # prompts with a shared system prefix, outputs log-normal with ~6.4 budgets on average up to 32k tokens, a closed
-# loop of 256 requests in the engine (each finished one replaced by the next), random bf16 weights of Qwen3-8B's
-# shapes, the KV pool of the whole card (--gpu-memory-utilization 0.9), full KV then compressed in one process.
+# loop of SEQS requests in the engine (each finished one replaced by the next; default 384 = --max-num-seqs: on an
+# H200 the pool holds 322 compressed requests, which max_num_seqs 256 would cap, see scripts/concurrency_ceiling.py),
+# random bf16 weights of Qwen3-8B's shapes, the KV pool of the whole card (--gpu-memory-utilization 0.9), full KV
+# then compressed in one process.
 # --time-budget 500 gives each mode an equal share of what is left when it starts (start-up included);
 # timeout 570 stops the command whatever happens. In $OUT: long_reasoning.json (rewritten after each mode),
 # long_reasoning.png (throughput with the steady windows shaded, requests, occupancy, pages per request) and
@@ -12,5 +14,5 @@
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 timeout 570 python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b \
-  --gpu-memory-utilization 0.9 --concurrency 256 --time-budget 500 --sample-interval-s 1 \
+  --gpu-memory-utilization 0.9 --max-num-seqs "${SEQS:-384}" --concurrency "${SEQS:-384}" --time-budget 500 --sample-interval-s 1 \
   --json "$OUT/long_reasoning.json" --png "$OUT/long_reasoning.png" 2>&1 | tee "$OUT/long_reasoning.log" | tail -16
