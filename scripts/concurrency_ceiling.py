@@ -14,7 +14,6 @@ import jax.numpy as jnp  # noqa: E402
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES  # noqa: E402
 from zipage_jax.config import EngineConfig  # noqa: E402
 from zipage_jax.layers.attention import resolve_backend  # noqa: E402
-from zipage_jax.models import weights  # noqa: E402
 from zipage_jax.worker import device_memory, kv_cache  # noqa: E402
 
 CARDS = {"H100 80 GB": 85_520_809_984, "H200 141 GB": 150_110_011_392}  # what each reports in all
@@ -32,7 +31,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mean-context", type=int, default=13_400, help="tokens a full-KV request holds on average")
 args = parser.parse_args()
 qwen = MODEL_SHAPES["qwen3-8b"]
-mesh = None
 weight_bytes = 16_381_517_208  # Qwen3-8B in bf16, from its shapes
 allocator = device_memory.Allocator(0.9, "set to gpu_memory_utilization=0.9")
 print(f"{'card':12s} {'max_num_seqs':>12s} {'pool pages':>10s} {'query rows':>10s} {'compressed':>10s} "

@@ -4,7 +4,6 @@ behave as with the loop on a thread, cancellations give their pages back, the en
 lost engine process fails what was in flight and turns /health to 503."""
 
 import asyncio
-import dataclasses
 
 import openai
 import pytest
