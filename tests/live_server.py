@@ -1,6 +1,7 @@
 """A real uvicorn server on 127.0.0.1 (a free port) in a thread, for the tests that speak HTTP to it: it is
 ready when its startup event fires, and every client of it waits as long as ``waiting.HANG_S``."""
 
+import asyncio
 import contextlib
 import dataclasses
 import re
@@ -52,6 +53,32 @@ class Live:
         self.server.should_exit = True
         self.thread.join(HANG_S)
         assert not self.thread.is_alive(), "server did not shut down"
+
+
+def stream_all_cancelling_odd(live: Live, model: str, prompts: list[str], max_tokens: int,
+                              cancel_max_tokens: int) -> list[str | None]:
+    """Stream every prompt at once (greedy); the odd ones ask for ``cancel_max_tokens`` tokens ignoring EOS and are
+    closed by their client at their first text. The even ones' texts, None for the odd."""
+    async def one(client, i):
+        cancel = i % 2 == 1
+        stream = await client.completions.create(
+            model=model, prompt=prompts[i], temperature=0, stream=True,
+            **({"max_tokens": cancel_max_tokens, "extra_body": {"ignore_eos": True}} if cancel
+               else {"max_tokens": max_tokens}))
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if cancel and text:
+                await stream.close()
+                return None
+        return text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=HANG_S) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+
+    return asyncio.run(main())
 
 
 @contextlib.contextmanager

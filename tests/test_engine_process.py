@@ -3,14 +3,13 @@ cross as deltas that rebuild the cumulative outputs exactly (late stop-string tr
 behave as with the loop on a thread, cancellations give their pages back, the engine's own errors are 400s, and a
 lost engine process fails what was in flight and turns /health to 503."""
 
-import asyncio
 
 import openai
 import pytest
 
-from live_server import live_server
+from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
-from waiting import HANG_S, wait_until
+from waiting import wait_until
 from zipage_jax.engine.core_client import ProcessCore
 from zipage_jax.engine.engine_core import OutputDelta, _delta, merge
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -84,26 +83,8 @@ def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live,
     prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(12)]
     wants = {i: offline(reference, p, temperature=0.0, max_tokens=24)[0].text for i, p in enumerate(prompts)}
 
-    async def one(client, model, i):
-        cancel = i % 2 == 1
-        stream = await client.completions.create(
-            model=model, prompt=prompts[i], temperature=0, stream=True,
-            **({"max_tokens": 300, "extra_body": {"ignore_eos": True}} if cancel else {"max_tokens": 24}))
-        text = ""
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            if cancel and text:
-                await stream.close()
-                return None
-        return text
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=HANG_S) as client:
-            model = (await client.models.list()).data[0].id
-            return await asyncio.gather(*(one(client, model, i) for i in range(12)))
-
-    for i, text in enumerate(asyncio.run(main())):
+    results = stream_all_cancelling_odd(live, model_of(live), prompts, max_tokens=24, cancel_max_tokens=300)
+    for i, text in enumerate(results):
         if i % 2 == 0:
             assert text == wants[i], i
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "all requests to close")

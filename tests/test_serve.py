@@ -4,7 +4,6 @@ The oracle for every generated text is the same engine driven offline (add_reque
 be transparent: same text, finish reasons and token counts, whatever the transport (stream or not, n, stops).
 """
 
-import asyncio
 import contextlib
 import itertools
 import json
@@ -19,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import live_server
+from live_server import live_server, stream_all_cancelling_odd
 from waiting import HANG_S, wait_until
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
@@ -525,25 +524,7 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
 
     engine.step = recording_step
 
-    async def one(client, i):
-        cancel = i % 2 == 1
-        stream = await client.completions.create(
-            model=model, prompt=prompts[i], temperature=0, stream=True,
-            **({"max_tokens": 400, "extra_body": {"ignore_eos": True}} if cancel else {"max_tokens": 48}))
-        text = ""
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            if cancel and text:
-                await stream.close()
-                return None
-        return text
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=HANG_S) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
-
-    results = asyncio.run(main())
+    results = stream_all_cancelling_odd(live, model, prompts, max_tokens=48, cancel_max_tokens=400)
     for i, text in enumerate(results):
         if i % 2 == 0:
             assert text == wants[i], i
