@@ -59,7 +59,7 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     first_token_s = time.perf_counter() - start
     del first
     outs = llm.generate(prompts, params, use_tqdm=False)
-    weights_s = llm.engine.weights_load_s
+    weights_s = llm.engine.startup_s["weights"]
     return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, init_phases_s=dict(llm.engine.startup_s),

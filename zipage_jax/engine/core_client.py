@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from zipage_jax.engine.detokenizer import load_tokenizer
 from zipage_jax.engine.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,7 @@ class ProcessCore:
         self.model_name, self.max_model_len, self.config = info["model_name"], info["max_model_len"], info["config"]
         self.tokenizer = None
         if info["tokenizer_path"] is not None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(info["tokenizer_path"])
-            self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
+            self.tokenizer = load_tokenizer(info["tokenizer_path"])
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
@@ -178,7 +176,13 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
             pass
 
     EngineCore(engine, emit, queued, stop_warmup, warmup).run()
-    if engine.runner.programs.compiling_unused:  # a stopped warm-up: do not wait for its compiles
+    exit_if_compiling(engine)
+
+
+def exit_if_compiling(engine):
+    """End the process now if a stopped warm-up left compiles running: XLA cannot interrupt them, and a normal
+    exit would wait for every one."""
+    if engine.runner.programs.compiling_unused:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -9,6 +9,16 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 
+def load_tokenizer(path):
+    """The HF tokenizer at ``path`` as the engine uses it: no length limit of its own (the engine checks prompt
+    lengths against ``max_model_len``, and the tokenizer would only warn)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = 2**62
+    return tokenizer
+
+
 class IncrementalDetokenizer:
     """Keeps ``text`` equal to the decoded output tokens while decoding O(window) tokens per step.
 

@@ -23,7 +23,7 @@ from zipage_jax.core.page_manager import PageManager
 from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.core.scheduler import Scheduler
 from zipage_jax.core.stopping import check_stop
-from zipage_jax.engine.detokenizer import IncrementalDetokenizer
+from zipage_jax.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from zipage_jax.engine.metrics import MetricsHistory, StepRecord
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
@@ -71,13 +71,10 @@ class LLMEngine:
         self.tokenizer = None
         eos = set()
         if model_cfg is None and runner is None:
-            from transformers import AutoTokenizer
-
             self.model_path = hub.local_dir(config.model)
             model_cfg = ModelConfig.from_pretrained(self.model_path)
             tokenizer = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-            self.tokenizer.model_max_length = 2**62  # the engine checks lengths against max_model_len itself
+            self.tokenizer = load_tokenizer(tokenizer)
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg
@@ -138,11 +135,9 @@ class LLMEngine:
         else:
             self.params = weights.shard_params(params, self.mesh)
         jax.block_until_ready(self.params)
-        self.weights_load_s = time.perf_counter() - start  # read, copied to the devices, converted there
+        self.startup_s["weights"] = time.perf_counter() - start  # read, copied to the devices, converted there
         if state is None:
-            self.memory_plan = plan(sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
-                                        for shard in leaf.addressable_shards if shard.device == device))
-        self.startup_s["weights"] = self.weights_load_s
+            self.memory_plan = plan(device_memory.bytes_on(device, self.params))
         z = self.memory_plan
         num_pages = z.num_pages
         start = time.perf_counter()

@@ -14,9 +14,7 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import secrets
-import sys
 import time
 import uuid
 from collections import Counter
@@ -30,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zipage_jax.config import DEFAULT_MODEL, EngineConfig, add_engine_options, engine_kwargs, option_error
 from zipage_jax.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError, QueueFullError
+from zipage_jax.engine.core_client import exit_if_compiling
 from zipage_jax.entrypoints import logprob_formats, prometheus
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from zipage_jax.entrypoints.reasoning import PARSERS, ReasoningParser
@@ -610,11 +609,8 @@ def main(argv: list[str] | None = None):
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)
-    if not args.engine_process and engine.runner.programs.compiling_unused:  # a stopped warm-up: do not wait
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if not args.engine_process:  # the engine process ends its own
+        exit_if_compiling(engine)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
     return ServingParams(layers=tuple(layers), shards=mesh.size, **top)
 
 
+@functools.cache  # the engine plans with it before loading, then loads with it
 def _serving_targets(cfg: ModelConfig, dtype, mesh) -> tuple[ServingParams, ServingParams]:
     """The serving layout's shapes (``jax.ShapeDtypeStruct`` leaves) and their shardings."""
     shapes = param_shapes(cfg)

@@ -145,6 +145,12 @@ def check_allocated(device, in_use_before: int | None, expected_bytes: int, what
     return grown
 
 
+def bytes_on(device, tree) -> int:
+    """Bytes the arrays of ``tree`` hold on ``device`` (their shards there)."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+               if shard.device == device)
+
+
 def in_use(device) -> int | None:
     """The allocator's ``bytes_in_use`` on ``device``; None where the device reports none (CPU)."""
     stats = device.memory_stats()

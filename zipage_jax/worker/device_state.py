@@ -33,7 +33,5 @@ def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh
                                                                    dtype, mesh)
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
     state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)
-    per_device = sum(shard.data.nbytes for x in jax.tree.leaves(state) for shard in x.addressable_shards
-                     if shard.device == device)
-    device_memory.check_allocated(device, before, per_device, "the KV pool and caches")
+    device_memory.check_allocated(device, before, device_memory.bytes_on(device, state), "the KV pool and caches")
     return state
