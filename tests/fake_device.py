@@ -16,6 +16,7 @@ import zlib
 from types import SimpleNamespace
 
 import numpy as np
+from hypothesis import strategies as st
 
 from zipage_jax.core.page_manager import NULL_PAGE, PageManager
 from zipage_jax.config import ScoringConfig
@@ -40,6 +41,7 @@ class FakeDevice:
 
     def __init__(self, scheduler: Scheduler):
         self.programs = Programs()  # compiles nothing: the engine's metrics read its compile time (0)
+        self.step_limits = None
         self.s = scheduler
         self.bm = scheduler.page_manager
         self.pool = {page: [None] * PAGE for page in range(self.bm.num_pages)}
@@ -73,8 +75,12 @@ class FakeDevice:
         self.last_output = out
         return handles
 
-    def warmup(self, progress=None, stop=None) -> dict:
-        return dict(programs=0, compile_s=0.0)
+    def warmup(self, progress=None, stop=None, ready_early: bool = False) -> dict:
+        """Nothing to compile; ready early, the engine then reads ``limits()`` (``step_limits``) at every step."""
+        return dict(programs=0, compile_s=0.0, background=1) if ready_early else dict(programs=0, compile_s=0.0)
+
+    def limits(self):
+        return self.step_limits  # what a test sets: steps as a ready-early warm-up would limit them
 
     @staticmethod
     def _handle(requests, tokens, kind) -> StepHandle:
@@ -230,3 +236,28 @@ def run(engine: LLMEngine, requests: list[Request], arrivals=None, aborts=None, 
     assert not s.has_work() and engine.page_manager.num_used_pages == 0 and not engine.page_manager.deferred
     assert sorted(s.free_token_rows) == list(range(s.max_num_seqs))
     assert sorted(s.free_query_rows) == list(range(s.num_query_rows)) and s.committed_pages == 0
+
+
+# rows and prompt tokens a step may take, growing (sorted) as a background warm-up's compiles finish
+limits_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 16)), min_size=1, max_size=4).map(sorted)
+
+
+def growing_limits(engine: LLMEngine, limits: list[tuple[int, int]], steps_each: int):
+    """Start ``engine`` as after a ready-early warm-up whose runner limits steps to ``limits[0]``, then the next
+    every ``steps_each`` steps, then none; returns the ``run`` hook that checks each step kept within its limits:
+    no more running requests than rows (decode rows are among them) and no more prompt tokens."""
+    device = engine.runner
+    device.step_limits = limits[0]
+    assert engine.warmup(ready_early=True)["background"]
+    step = [0]
+
+    def on_step(engine):
+        if device.step_limits is not None:
+            rows, tokens = device.step_limits
+            assert len(engine.scheduler.running) <= rows
+            assert sum(c.num_tokens for c in device.last_output.prefills) <= tokens
+        step[0] += 1
+        index = step[0] // steps_each
+        device.step_limits = limits[index] if index < len(limits) else None
+
+    return on_step

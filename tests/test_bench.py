@@ -86,17 +86,25 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     assert png.stat().st_size > 0
 
 
-def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path):
+@pytest.mark.parametrize("ready_early", [False, True])
+def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path, ready_early):
+    """Ready early, the light load's programs are ready first (the smallest prefill bucket of three), the workload
+    waits on no compile while the others compile in the background, and ``all_compiled_s`` comes after them."""
     from zipage_jax.config import DEFAULT_MODEL
 
     out = tmp_path / "startup.jsonl"
     options = ["--page-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
                "--compilation-cache-dir", "none"]  # the engine options every CLI generates from EngineConfig
-    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)])
+    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)]
+                           + ["--ready-early"] * ready_early)
     assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                             max_model_len=512, compilation_cache_dir=None)
     # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program
-    assert report["programs"] == 2 * 1 + 3 + 1
+    if ready_early:
+        assert (report["programs"], report["background_programs"]) == (2 * 1 + 1 + 1, 2)
+        assert report["all_compiled_s"] >= report["ready_s"]
+    else:
+        assert report["programs"] == 2 * 1 + 3 + 1 and report["background_programs"] == 0
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
     phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it

@@ -1,5 +1,6 @@
 """Compressed PagedAttention through the whole engine (CPU, reference attention, tiny random checkpoints)."""
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
+from zipage_jax.worker.programs import Programs
 from seeds import fresh_seed, seeded_rng
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # GQA 8 q / 2 kv heads
@@ -159,6 +161,43 @@ def test_swaps_and_stalls_are_lossless_and_async_equals_sync():
         history = llm.engine.metrics_history()
         assert max(h["num_swapped"] for h in history) >= 1 and max(h["query_rows_used"] for h in history) == 2
         assert all(0 <= h["page_occupancy"] <= 1 for h in history)
+
+
+def test_ready_early_serves_within_the_compiled_buckets_then_compiles_the_rest(monkeypatch):
+    """``warmup(ready_early=True)`` compiles only a light load's programs. While the rest are held back, a workload
+    larger than those buckets (12 requests over 8 decode rows, prompts over 16-token chunks, several compressions
+    due at once) runs within them: no step waits on a compile. Released, the background compiles every other
+    program, the limits lift, and the same workload in the full buckets gives the same tokens."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(20, 120, size=12)]
+    held, start_background = [], Programs.compile_in_background
+    monkeypatch.setattr(Programs, "compile_in_background", lambda *args, **kwargs: held.append((args, kwargs)))
+    llm = make_llm(compression=True, kv_budget_pages=2, max_num_seqs=16, max_num_batched_tokens=64,
+                   max_model_len=192)
+    runner, programs = llm.engine.runner, llm.engine.runner.programs
+    report = llm.engine.warmup(ready_early=True)
+    every = {p.key for p in runner.warmup_programs()}
+    assert report["programs"] + report["background"] == len(every) and report["background"] > 0
+    assert runner.limits() == (8, 16)  # the smallest decode and prefill buckets
+    peak = collections.Counter()
+
+    def note(record):
+        peak["running"] = max(peak["running"], len(llm.engine.scheduler.running))
+
+    llm.engine.add_step_observer(note)
+    limited = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert sum(o.metrics["num_compressions"] for o in limited) > len(prompts), seed
+    assert llm.metrics()["num_compiles_waited_on"] == 0 and peak["running"] == 8, seed
+    assert set(programs.compiled) < every
+
+    start_background(*held[0][0], **held[0][1])
+    programs.join_background()
+    assert every <= set(programs.compiled) and runner.limits() is None
+    assert not llm.metrics()["compiling_in_background"]
+    full = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in limited] == [o.outputs[0].token_ids for o in full], seed
+    assert llm.metrics()["num_compiles_waited_on"] == 0 and peak["running"] == 12, seed
 
 
 def test_compressed_mixed_workload_compiles_nothing_after_warmup():

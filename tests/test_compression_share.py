@@ -32,9 +32,9 @@ def test_steady_share_excludes_warmup(monkeypatch):
     engine = llm.engine
     warmup = engine.runner.warmup
 
-    def slow_warmup(progress=None, stop=None):
+    def slow_warmup(progress=None, stop=None, ready_early=False):
         clock.now += WARMUP_S  # a long warm-up: it must not dilute the steady share
-        return warmup(progress, stop)
+        return warmup(progress, stop, ready_early)
 
     engine.runner.warmup = slow_warmup
     llm.warmup(use_tqdm=False)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
-from fake_device import PAGE, VOCAB, digest, fake_engine, run
+from fake_device import PAGE, VOCAB, digest, fake_engine, growing_limits, limits_st, run
 from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.worker.model_runner import Runner
@@ -117,6 +117,27 @@ def test_parked_requests_keep_their_pages_and_resume_losslessly(requests, extra_
             assert r.output_token_ids == want[:len(r.output_token_ids)]
         else:
             assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == want, r.request_id
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=st.lists(request_st, min_size=1, max_size=8), extra_pages=st.integers(0, 8),
+       max_num_seqs=st.integers(2, 6), growth=limits_st, steps_each=st.integers(1, 8))
+def test_steps_stay_within_the_limits_of_a_ready_early_warmup(requests, extra_pages, max_num_seqs, growth,
+                                                              steps_each):
+    """While a ready-early warm-up compiles in the background, ``limits()`` grow from the smallest buckets: no step
+    exceeds them (``growing_limits``) and every output is still exact; once lifted, the configuration's apply."""
+    engine = fake_engine(-(-MAX_LEN // PAGE) + 1 + extra_pages, max_num_seqs)
+    reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m), i)
+            for i, ((head, tail), m, _) in enumerate(requests)]
+    arrivals = {r.request_id: a for r, (_, _, a) in zip(reqs, requests)}
+    max_steps = 100 + sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in reqs) * 8
+    run(engine, reqs, arrivals, max_steps=max_steps, on_step=growing_limits(engine, growth, steps_each))
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens), r.request_id
+    engine.runner.step_limits = None
+    engine.step()
+    assert (engine.scheduler.max_running, engine.scheduler.max_step_tokens) == (max_num_seqs, 16)
 
 
 def test_park_and_resume_check_their_requests():

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
-from fake_device import PAGE, VOCAB, fake_engine, run
+from fake_device import PAGE, VOCAB, fake_engine, growing_limits, limits_st, run
 from zipage_jax.config import ADMISSIONS
 from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.sampling_params import SamplingParams
@@ -79,6 +79,24 @@ def test_random_swap_prone_workload_is_lossless(prompts, max_tokens, extra_pages
     engine = compressing_engine(5 + extra_pages, len(reqs), token_budget, 2, prefix_caching, 1, len(reqs) - 1,
                                 "hybrid", async_compression)
     run(engine, reqs)
+    for r in reqs:
+        assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens,
+                                           r.sampling_params.kv_budget_pages), r.request_id
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(request_st, min_size=1, max_size=6), max_num_seqs=st.integers(2, 5),
+       admission=st.sampled_from(ADMISSIONS), async_compression=st.booleans(), growth=limits_st,
+       steps_each=st.integers(1, 10))
+def test_compressed_steps_stay_within_the_limits_of_a_ready_early_warmup(requests, max_num_seqs, admission,
+                                                                         async_compression, growth, steps_each):
+    """Compression, query rows and swaps under the growing limits of a ready-early warm-up: within them, lossless."""
+    peak = max(max(-(-len(head + tail) // PAGE), (2 if b is None else b) + 1) for (head, tail), _, _, b in requests)
+    engine = compressing_engine(peak + 2, max_num_seqs, 20, 2, True, 2, 2, admission, async_compression)
+    reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m, kv_budget_pages=b), i)
+            for i, ((head, tail), m, _, b) in enumerate(requests)]
+    arrivals = {r.request_id: a for r, (_, _, a, _) in zip(reqs, requests)}
+    run(engine, reqs, arrivals, on_step=growing_limits(engine, growth, steps_each))
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens,
                                            r.sampling_params.kv_budget_pages), r.request_id

@@ -24,6 +24,7 @@ from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
 from zipage_jax.entrypoints.api_server import build_parser, create_app, stable_text_len
+from zipage_jax.worker.programs import Programs
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 
@@ -772,10 +773,10 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
     release, compiling = threading.Event(), threading.Event()
     real_warmup = engine.warmup
 
-    def slow_warmup(progress=None, stop=None):
+    def slow_warmup(progress=None, stop=None, ready_early=False):
         compiling.set()
         assert release.wait(HANG_S)
-        return real_warmup(progress, stop)
+        return real_warmup(progress, stop, ready_early)
 
     engine.warmup = slow_warmup
     with live_server(engine, warmup=True) as live:
@@ -790,3 +791,21 @@ def test_health_says_starting_during_warmup_and_ok_once_ready():
         done = live.client().completions.create(model="tiny-reasoner", prompt="1+1", max_tokens=3, temperature=0)
         assert done.choices[0].finish_reason in ("length", "stop")
         assert engine.metrics()["num_compiles"] > 0
+
+
+def test_ready_early_serves_while_the_rest_compiles_in_the_background(monkeypatch):
+    """With ``ready_early`` /health is 200 once a light load's programs are compiled and says the rest compile in
+    the background; requests are served meanwhile, within the compiled buckets (no compile waited on); when the
+    background is done /health says plain ok."""
+    held, start_background = [], Programs.compile_in_background
+    monkeypatch.setattr(Programs, "compile_in_background", lambda *args, **kwargs: held.append((args, kwargs)))
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, compilation_cache_dir=None)
+    with live_server(engine, warmup=True, ready_early=True) as live:
+        wait_until(lambda: live.get("/health").status_code == 200, "the server to be ready")
+        assert held and "background" in live.get("/health").json()["detail"]
+        prompts = ["1+1", "12+30", "7+8+9", "100+23"] * 3  # 12 requests: more than the 8 rows compiled
+        done = live.client().completions.create(model="tiny-reasoner", prompt=prompts, max_tokens=4, temperature=0)
+        assert len(done.choices) == 12 and engine.metrics()["num_compiles_waited_on"] == 0
+        start_background(*held[0][0], **held[0][1])
+        engine.runner.programs.join_background()
+        wait_until(lambda: live.get("/health").json() == {"status": "ok"}, "the background compiles to be reported")

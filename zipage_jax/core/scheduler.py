@@ -92,6 +92,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_prefill_seqs = config.max_num_prefill_seqs
+        # what this step may take: the configuration's limits, lower while the larger programs still compile
+        self.max_running, self.max_step_tokens = self.max_num_seqs, self.max_num_batched_tokens
         self.window = config.scoring.window
         self.hybrid_admission = config.admission != "constrained"  # requests may run without a query row
         self.reserve_pages = config.admission == "reserved"  # ... only while the pages they can grow to fit
@@ -120,6 +122,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def limit(self, limits: tuple[int, int] | None):
+        """Cap the running requests (so the decode rows) and the tokens of a step at ``limits`` (None: the
+        configuration's): the programs of larger steps are not compiled yet. Running requests above the cap stay
+        (the runner's limits only grow); new ones wait."""
+        rows, tokens = limits or (self.max_num_seqs, self.max_num_batched_tokens)
+        self.max_running = min(rows, self.max_num_seqs)
+        self.max_step_tokens = min(tokens, self.max_num_batched_tokens)
+
     def budget(self, request: Request) -> int:
         return request.kv_budget(self.kv_budget_pages)
 
@@ -128,7 +138,7 @@ class Scheduler:
         self.page_manager.release_deferred()  # last step's compressions precede everything dispatched now
         out = SchedulerOutput([], [], [])
         self._scheduled = set()
-        token_budget = self.max_num_batched_tokens
+        token_budget = self.max_step_tokens
         compression_pages = 0
         compress_now = self._compression_batch_ready(self._note_due_compressions())
         i = 0
@@ -284,7 +294,7 @@ class Scheduler:
         self.running.append(request)
 
     def _swap_in(self, out: SchedulerOutput):
-        while self.swapped and self.free_token_rows:  # parked requests hold rows too
+        while self.swapped and self.free_token_rows and len(self.running) < self.max_running:  # parked hold rows too
             request = self.swapped[0]
             if request.num_pending or not self._grant_query_row(request):
                 break  # its last token is still in flight, or no query row: it comes back first, later
@@ -311,7 +321,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, token_budget: int):
         rowless = self._rowless_pages() if self.waiting and self.compression and self.reserve_pages else 0
-        while (self.waiting and token_budget > 0 and self.free_token_rows
+        while (self.waiting and token_budget > 0 and self.free_token_rows and len(self.running) < self.max_running
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:

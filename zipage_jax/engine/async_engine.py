@@ -99,10 +99,10 @@ class AsyncEngine:
     process) or a started core (``core_client.ProcessCore``). `submit` / `RequestGroup.close` are called from the
     event loop only."""
 
-    def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False):
+    def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False, ready_early: bool = False):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        self.core = engine if hasattr(engine, "send") else ThreadCore(engine, warmup)
+        self.core = engine if hasattr(engine, "send") else ThreadCore(engine, warmup, ready_early)
         self.ready = not warmup
         self.startup = "waiting for the engine loop" if warmup else "ready"  # what start-up is doing now
         self.capacity = self.core.config.max_num_seqs + max_queued_requests

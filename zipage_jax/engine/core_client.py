@@ -8,6 +8,7 @@ Both offer ``start(on_event)`` (``on_event`` is called on a background thread, o
 """
 
 import concurrent.futures
+import importlib
 import logging
 import multiprocessing
 import os
@@ -27,8 +28,8 @@ LOOP_THREAD = "engine-loop"
 class ThreadCore:
     """The loop on a thread of this process, over an engine built here."""
 
-    def __init__(self, engine, warmup: bool = False):
-        self.engine, self.warmup = engine, warmup
+    def __init__(self, engine, warmup: bool = False, ready_early: bool = False):
+        self.engine, self.warmup, self.ready_early = engine, warmup, ready_early
         self.tokenizer, self.model_name, self.config = engine.tokenizer, engine.model_name, engine.config
         self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -36,7 +37,7 @@ class ThreadCore:
         self._thread: threading.Thread | None = None
 
     def start(self, on_event):
-        core = EngineCore(self.engine, on_event, self._commands, self._stop_warmup, self.warmup)
+        core = EngineCore(self.engine, on_event, self._commands, self._stop_warmup, self.warmup, self.ready_early)
         self._thread = threading.Thread(target=core.run, name=LOOP_THREAD, daemon=True)
         self._thread.start()
 
@@ -69,13 +70,17 @@ class ProcessCore:
         self._threads: list[threading.Thread] = []
 
     @classmethod
-    def launch(cls, model: str, options: dict, warmup: bool, log_level: str = "INFO") -> "ProcessCore":
+    def launch(cls, model: str, options: dict, warmup: bool, log_level: str = "INFO",
+               ready_early: bool = False) -> "ProcessCore":
         context = multiprocessing.get_context("spawn")
         commands_read, commands_write = context.Pipe(duplex=False)
         events_read, events_write = context.Pipe(duplex=False)
         process = context.Process(target=_child_main, name="engine-core", daemon=True,
-                                  args=(commands_read, events_write, model, options, warmup, log_level))
+                                  args=(commands_read, events_write, model, options, warmup, log_level,
+                                        ready_early))
         process.start()
+        # transformers' import (a second of a warm start) overlaps the engine's build: the tokenizer loads after it
+        threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
         commands_read.close()
         events_write.close()
         try:
@@ -133,7 +138,7 @@ class ProcessCore:
             thread.join(1.0)
 
 
-def _child_main(commands, events, model: str, options: dict, warmup: bool, log_level: str):
+def _child_main(commands, events, model: str, options: dict, warmup: bool, log_level: str, ready_early: bool):
     """The engine process: build the engine, report, then run the loop until ``stop`` (or until the server's
     process is gone: its end of the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
@@ -175,7 +180,7 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
         except (BrokenPipeError, OSError):  # the server's process is gone; the stop command follows
             pass
 
-    EngineCore(engine, emit, queued, stop_warmup, warmup).run()
+    EngineCore(engine, emit, queued, stop_warmup, warmup, ready_early).run()
     exit_if_compiling(engine)
 
 

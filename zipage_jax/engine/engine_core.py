@@ -15,6 +15,7 @@ step_failure)``, ``("metrics", engine.metrics())``, ``("stopped",)``.
 import concurrent.futures
 import logging
 import queue
+import threading
 import time
 from typing import NamedTuple
 
@@ -47,12 +48,13 @@ class EngineCore:
     """Steps ``engine`` while it has work; between steps runs the commands queued since."""
 
     def __init__(self, engine, emit, commands: queue.SimpleQueue, stop_warmup: concurrent.futures.Future,
-                 warmup: bool):
+                 warmup: bool, ready_early: bool = False):
         self.engine = engine
         self.emit = emit  # called from the loop's thread only
         self.commands = commands
         self.stop_warmup = stop_warmup  # done on shutdown: a warm-up still compiling ends at once
         self.warmup = warmup
+        self.ready_early = ready_early  # ready once a light load's programs are; the rest compile in the background
         self._sent: dict[str, list[int]] = {}  # request id -> [tokens, characters] reported so far
         self._metrics_at = 0.0
 
@@ -63,7 +65,7 @@ class EngineCore:
         while True:
             try:
                 busy = self.engine.has_unfinished_requests()
-                for command in self._drain(block=not busy):
+                for command in self._drain(block=not busy, timeout=self._idle_refresh_s()):
                     if command[0] == "stop":
                         self._shutdown()
                         self.emit(("stopped",))
@@ -78,18 +80,23 @@ class EngineCore:
                 time.sleep(FAILURE_BACKOFF_S)
 
     def _warm_up(self):
-        """Compile every program before serving, reporting progress (the server's /health shows it)."""
+        """Compile every program before serving (with ``ready_early``, those of a light load), reporting progress
+        (the server's /health shows it)."""
+        loop_thread = threading.current_thread()
+
         def progress(done, total, name, seconds):
-            self.emit(("startup", f"compiled {done}/{total} programs, last: {name}"))
+            if threading.current_thread() is loop_thread:  # not the background compiles: ``emit`` is this thread's
+                self.emit(("startup", f"compiled {done}/{total} programs, last: {name}"))
 
         self.emit(("startup", "compiling programs"))
         try:
-            self.engine.warmup(progress, stop=self.stop_warmup)
+            self.engine.warmup(progress, stop=self.stop_warmup, ready_early=self.ready_early)
         except Exception as error:
             if self.stop_warmup.done():  # shutting down: compiles still running are left to finish unused
                 log.info("warm-up stopped for the shutdown (%s)", error)
                 return
             log.exception("warm-up failed; programs compile on first use")  # serving beats refusing to start
+        self.emit(("metrics", self.engine.metrics()))  # what is ready now, before requests come
         self.emit(("ready",))
 
     def _publish_metrics(self):
@@ -101,8 +108,18 @@ class EngineCore:
         self._metrics_at = now
         self.emit(("metrics", self.engine.metrics()))
 
-    def _drain(self, block: bool) -> list:
-        commands = [self.commands.get()] if block else []
+    def _idle_refresh_s(self) -> float | None:
+        """While programs compile in the background an idle loop still refreshes the metrics (``/health`` reports
+        when they are done); otherwise it sleeps until a command comes."""
+        return METRICS_INTERVAL_S if self.engine.compiling_in_background else None
+
+    def _drain(self, block: bool, timeout: float | None = None) -> list:
+        commands = []
+        if block:
+            try:
+                commands.append(self.commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self.commands.get_nowait())

@@ -28,14 +28,15 @@ class LLM:
     def metrics(self) -> dict:
         return self.engine.metrics()
 
-    def warmup(self, use_tqdm: bool = True) -> dict:
-        """Compile every program the engine can need (see ``LLMEngine.warmup``), with a progress bar."""
+    def warmup(self, use_tqdm: bool = True, ready_early: bool = False) -> dict:
+        """Compile every program the engine can need (see ``LLMEngine.warmup``), with a progress bar; with
+        ``ready_early`` only a light load's, the rest in the background."""
         with tqdm(desc="compiling", unit="program", disable=not use_tqdm) as bar:
             def progress(done, total, name, seconds):
                 bar.total = total
                 bar.set_postfix_str(name)
                 bar.update(1)
-            return self.engine.warmup(progress)
+            return self.engine.warmup(progress, ready_early=ready_early)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -105,6 +105,7 @@ class LLMEngine:
         self.totals = collections.Counter()
         self.history = MetricsHistory(config.metrics_interval_steps)
         self._step_observers: list = []
+        self._limited = False  # whether the runner may still limit the steps (``warmup(ready_early=True)``)
 
     def _build_device_side(self, params) -> tuple[ModelRunner, Scheduler]:
         """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""
@@ -245,6 +246,10 @@ class LLMEngine:
         """One engine step; returns the outputs of requests that advanced (or, with ``only_finished``, that ended:
         offline batches skip building cumulative outputs, which costs O(length) per request and step)."""
         start = time.perf_counter()
+        if self._limited:  # a ready-early warm-up still compiles: steps stay within the compiled buckets
+            limits = self.runner.limits()
+            self.scheduler.limit(limits)
+            self._limited = limits is not None
         scheduled = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
         handles = self.runner.execute(scheduled)
@@ -422,12 +427,19 @@ class LLMEngine:
             num_requests_finished=self.totals["finished"],
             num_compressions=self.totals["compressions"],
             num_compiles=self.compile_counter.count,
+            num_compiles_waited_on=self.runner.programs.compiled_on_use,  # by a step: warm-up missed a bucket
+            compiling_in_background=self.compiling_in_background,
             num_stalled=self.scheduler.num_stalled, num_swapped=len(self.scheduler.swapped),
             num_swaps=self.scheduler.num_swaps,
             num_query_rows=self.scheduler.num_query_rows,
             query_rows_used=self.scheduler.num_query_rows - len(self.scheduler.free_query_rows),
             max_concurrency=self.memory_plan.max_concurrency,
         )
+
+    @property
+    def compiling_in_background(self) -> bool:
+        """Whether a ready-early warm-up's background compiles still limit the steps."""
+        return self._limited and self.runner.limits() is not None
 
     def metrics_history(self) -> list[dict]:
         """Samples of the scheduler state every ``metrics_interval_steps`` steps (oldest first, bounded)."""
@@ -446,24 +458,32 @@ class LLMEngine:
     def remove_step_observer(self, observer):
         self._step_observers.remove(observer)
 
-    def warmup(self, progress=None, stop=None) -> dict:
+    def warmup(self, progress=None, stop=None, ready_early: bool = False) -> dict:
         """Compile every shape bucket now (in parallel), so no request waits on a compile later.
 
         Each compile is logged; ``progress(done, total, name, seconds)``, if given, is called too (a progress bar,
         the server's health state). Returns the number of programs and the wall seconds compiling them took.
         ``stop``: a ``concurrent.futures.Future`` whose completion ends the warm-up at once (``CompileStopped``;
-        what was not compiled compiles on first use), as the server does when it is asked to shut down."""
+        what was not compiled compiles on first use), as the server does when it is asked to shut down.
+
+        ``ready_early``: return once the programs of a light load are ready (the smallest decode batch, prefill
+        chunk and compression of each kind) and compile the rest in the background (``background`` in the
+        report: how many); until they are, steps take no more requests and prompt tokens than the compiled
+        programs cover, so no request waits on a compile — requests beyond wait in the queue instead."""
         def logged(*args):
             log_compile(*args)
             if progress is not None:
                 progress(*args)
 
-        report = self.runner.warmup(logged, stop)
+        report = self.runner.warmup(logged, stop, ready_early=ready_early)
+        self._limited = ready_early and bool(report.get("background"))
         self.history.mark_steady(self)
         log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "
                  "compiling %.1fs summed over the parallel compiles)", report["programs"], report["compile_s"],
                  report.get("loaded", 0), report.get("load_s", 0.0), report.get("lower_s", 0.0),
                  report.get("compile_sum_s", 0.0))
+        if report.get("background"):
+            log.info("serving now; %d more programs compile in the background", report["background"])
         return report
 
 

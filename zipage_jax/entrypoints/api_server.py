@@ -436,17 +436,19 @@ class _ChoiceStream:
 
 # -- the app ----------------------------------------------------------------------------------------------------
 def create_app(engine, *, api_key: str | None = None, max_queued_requests: int = 256,
-               served_model_name: str | None = None, warmup: bool = False,
+               served_model_name: str | None = None, warmup: bool = False, ready_early: bool = False,
                reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app over ``engine``: an `LLMEngine` (its loop then runs on a thread of this process) or a launched
     ``core_client.ProcessCore``. Its lifespan starts the engine loop and, on shutdown, aborts what runs and waits
     for the loop to end.
 
     With ``warmup`` the loop thread first compiles the engine's programs while the server already answers:
-    ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done. With
+    ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done; with
+    ``ready_early`` until a light load's programs are, the rest compiling in the background. With
     ``reasoning_parser`` (``reasoning.PARSERS``) chat replies split their thinking into ``reasoning_content``."""
     reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
-    async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup)
+    async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup,
+                               ready_early=ready_early)
     svc = _Service(async_engine.core, async_engine, served_model_name or engine.model_name, reasoning)
 
     @contextlib.asynccontextmanager
@@ -515,6 +517,8 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
             raise APIError(503, "the engine loop is not running", type="service_unavailable")
         if not async_engine.ready:
             return JSONResponse({"status": "starting", "detail": async_engine.startup}, status_code=503)
+        if async_engine.metrics.get("compiling_in_background"):
+            return {"status": "ok", "detail": "serving; the programs of larger batches compile in the background"}
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -564,6 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every shape bucket before serving requests; meanwhile /health answers 503 "
                              "'starting' (default: %(default)s)")
+    server.add_argument("--ready-early", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --warmup, serve as soon as the programs of a light load are compiled (the "
+                             "smallest batch and prompt-chunk buckets) and compile the rest in the background; "
+                             "until then steps stay within the compiled buckets, so no request waits on a compile "
+                             "(default: %(default)s)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine loop in a process of its own, so that HTTP, JSON and SSE never hold "
                              "the GIL the loop needs to keep the device fed (default: %(default)s)")
@@ -594,7 +603,8 @@ def main(argv: list[str] | None = None):
         if args.engine_process:  # the engine is built in its process, jax's backend starts there
             from zipage_jax.engine.core_client import ProcessCore
 
-            engine = ProcessCore.launch(args.model, options, warmup=args.warmup, log_level=args.log_level.upper())
+            engine = ProcessCore.launch(args.model, options, warmup=args.warmup, log_level=args.log_level.upper(),
+                                        ready_early=args.ready_early)
         else:
             from zipage_jax.engine.llm_engine import LLMEngine  # late: --help needs no accelerator runtime
 
@@ -604,7 +614,7 @@ def main(argv: list[str] | None = None):
     except RuntimeError as e:  # the engine process failed to start
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     app = create_app(engine, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                     served_model_name=args.served_model_name, warmup=args.warmup,
+                     served_model_name=args.served_model_name, warmup=args.warmup, ready_early=args.ready_early,
                      reasoning_parser=args.reasoning_parser)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn passes it on once it has shut down
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -89,7 +89,7 @@ class ExecutableStore:
         self.fingerprint = fingerprint
         self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self.loaded = self.saved = self.rejected = 0
-        self._count = threading.Lock()  # load runs on several threads at once
+        self._count = threading.Lock()  # loads and saves run on several threads at once
 
     def key(self, program) -> str:
         text = repr((self.fingerprint, program.key, abstract_signature(program.args), sorted(program.static.items()),
@@ -133,7 +133,8 @@ class ExecutableStore:
         except Exception as exc:  # noqa: BLE001
             log.warning("executable store: could not keep %s (%s: %s)", program.name, type(exc).__name__, exc)
             return
-        self.saved += 1
+        with self._count:
+            self.saved += 1
         self.prune()
 
     def prune(self, max_bytes: int = MAX_BYTES):

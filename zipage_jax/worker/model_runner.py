@@ -25,6 +25,7 @@ import itertools
 import os
 import time
 import typing
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,17 @@ class StepHandle:
         return np.asarray(self.ids), np.asarray(self.values)
 
 
+@dataclasses.dataclass
+class WarmupBucket:
+    """The programs of one shape bucket: ``kind`` ("decode", "prefill", ("compress", budget, width), ...) and
+    ``size`` (rows, tokens or pages). A light load needs the smallest bucket of each kind (``light``)."""
+
+    kind: Hashable
+    size: int
+    programs: list[Program]
+    light: bool = False
+
+
 @typing.runtime_checkable
 class Runner(typing.Protocol):
     """What the engine (step loop, warm-up, metrics) needs of the device side; ``ModelRunner`` is the real one,
@@ -131,6 +143,10 @@ class Runner(typing.Protocol):
 
     def warmup(self, progress=None) -> dict:
         """Compile every program a workload can need now; ``{"programs": count, "compile_s": wall seconds}``."""
+
+    def limits(self) -> tuple[int, int] | None:
+        """The most decode rows and prefill tokens a step may take now (while programs compile in the background),
+        or None: no limit beyond the configuration's."""
 
 
 def _step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_queries, hidden_rows,
@@ -244,6 +260,7 @@ class ModelRunner:
         self.last_decode_key = None  # program key of the last decode step (``programs.compiled``: its HLO)
         self._last_decode = None  # its host inputs, requests and rows (``replay_last_decode``)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
+        self._pending_buckets: list[WarmupBucket] | None = None  # while a ready-early warm-up compiles (``limits``)
         self.replicated = parallel.replicated(mesh)  # where each step's packed integers go
         self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
         self.prefill_token_sizes = bucket_sizes(min(max(16, config.max_num_batched_tokens // 16),
@@ -459,6 +476,7 @@ class ModelRunner:
         for (budget, width), group in groups.items():
             # wider first compressions (long prompts) are rare: one row a dispatch, one program per width
             most = self.compression_rows(width) if width == budget + 1 else 1
+            most = self._compression_rows_ready(budget, width, most)
             for start in range(0, len(group), most):
                 part = group[start:start + most]
                 rows = pick_bucket(bucket_sizes(1, most, 4), len(part))
@@ -571,26 +589,38 @@ class ModelRunner:
         return handles
 
     # -- warm-up -------------------------------------------------------------------------------------------
-    def warmup_programs(self) -> list[Program]:
-        """Every program a workload without penalties can need: greedy and sampled decode per batch bucket,
-        prefill per token bucket, the prompt-logprobs program, and with compression the steady-state compression
-        at every row bucket, the wider first compressions of long prompts at one row, and the swaps of a
-        steady-state request. Penalties (repetition, presence, frequency) widen the sampling history and compile
-        on first use."""
-        programs = [self._prompt_program()]
+    def warmup_buckets(self) -> list[WarmupBucket]:
+        """Every program a workload without penalties can need, by bucket, the ones a light load needs first: the
+        prompt-logprobs program, greedy and sampled decode per batch bucket, prefill per token bucket, and with
+        compression the steady-state compression at every row bucket, the wider first compressions of long prompts
+        at one row, and the swaps of a steady-state request. Penalties (repetition, presence, frequency) widen the
+        sampling history and compile on first use."""
+        buckets = [WarmupBucket("prompt_logprobs", 0, [self._prompt_program()])]
         for rows in self.decode_sizes:
-            for sampled in (False, True):
-                programs.append(self._step_program(self._decode_inputs([], rows, sampled), "decode", rows)[0])
+            buckets.append(WarmupBucket("decode", rows, [
+                self._step_program(self._decode_inputs([], rows, sampled), "decode", rows)[0]
+                for sampled in (False, True)]))
         for num_tokens in self.prefill_token_sizes:
             inputs, _ = self._prefill_inputs([], num_tokens, self.prefill_rows)
-            programs.append(self._step_program(inputs, "prefill", num_tokens)[0])
+            buckets.append(WarmupBucket("prefill", num_tokens, [self._step_program(inputs, "prefill", num_tokens)[0]]))
         compressions = self._warmup_compressions()
         for budget, width, rows in compressions:
             packed, spec = packing.pack(self._compression_batch([], budget, rows, width))
-            programs.append(self._compress_program(packed, spec, rows, width))
+            buckets.append(WarmupBucket(("compress", budget, width), rows,
+                                        [self._compress_program(packed, spec, rows, width)]))
         if compressions:
-            programs.extend(self._swap_programs(pick_bucket(self.swap_page_sizes, self.config.kv_budget_pages + 1)))
-        return programs
+            size = pick_bucket(self.swap_page_sizes, self.config.kv_budget_pages + 1)
+            buckets.append(WarmupBucket("swap", size, list(self._swap_programs(size))))
+        # what a light load needs first: the smallest bucket of each kind (every compression width at one row)
+        smallest = {}
+        for b in buckets:
+            smallest[b.kind] = min(smallest.get(b.kind, b.size), b.size)
+        for b in buckets:
+            b.light = b.size == smallest[b.kind]
+        return sorted(buckets, key=lambda b: (not b.light, b.size))
+
+    def warmup_programs(self) -> list[Program]:
+        return [p for bucket in self.warmup_buckets() for p in bucket.programs]
 
     def _warmup_compressions(self) -> list[tuple[int, int, int]]:
         budget = self.config.kv_budget_pages
@@ -602,13 +632,58 @@ class ModelRunner:
             shapes.extend((budget, width, rows) for rows in sizes)
         return shapes
 
-    def warmup(self, progress=None, stop=None) -> dict:
+    def warmup(self, progress=None, stop=None, ready_early: bool = False) -> dict:
         """Compile (or load from the executable store) every warm-up program, in parallel; returns their number,
         the wall seconds it took and where they went (see ``Programs``). ``stop``: a future that ends it early once
-        done (``Programs.compile_all``)."""
-        programs = self.warmup_programs()
+        done (``Programs.compile_all``).
+
+        ``ready_early``: return once the light-load programs (the smallest bucket of each kind) are ready and
+        compile the rest in the background; meanwhile ``limits()`` keeps the steps within the compiled buckets,
+        so no step waits on a compile. The report then counts the first part; ``background`` the rest. Across
+        processes every one must pick the same programs at every step, so there it compiles everything first."""
+        ready_early = ready_early and jax.process_count() == 1
+        buckets = self.warmup_buckets()
+        first = [b for b in buckets if b.light] if ready_early else buckets
+        rest = [b for b in buckets if not b.light] if ready_early else []
         p = self.programs
         before = (p.load_s, p.lower_s, p.compile_s, p.store.loaded if p.store else 0)
-        wall = p.compile_all(programs, progress, stop)
-        return dict(programs=len(programs), compile_s=wall, load_s=p.load_s - before[0], lower_s=p.lower_s - before[1],
-                    compile_sum_s=p.compile_s - before[2], loaded=(p.store.loaded if p.store else 0) - before[3])
+        wall = p.compile_all([program for b in first for program in b.programs], progress, stop)
+        report = dict(programs=sum(len(b.programs) for b in first), compile_s=wall, load_s=p.load_s - before[0],
+                      lower_s=p.lower_s - before[1], compile_sum_s=p.compile_s - before[2],
+                      loaded=(p.store.loaded if p.store else 0) - before[3])
+        if rest:
+            self._pending_buckets = buckets
+            p.compile_in_background([program for b in rest for program in b.programs], progress, stop,
+                                    done=self._background_done)
+            report["background"] = sum(len(b.programs) for b in rest)
+        return report
+
+    def _background_done(self):
+        self._pending_buckets = None
+
+    def limits(self) -> tuple[int, int] | None:
+        """While a ready-early warm-up still compiles: the most decode rows and prefill tokens one step may take
+        with every program it can pick compiled (the largest bucket whose smaller ones are all ready); None once
+        everything is, or without such a warm-up."""
+        buckets = self._pending_buckets
+        if buckets is None:
+            return None
+        return (self._compiled_prefix(buckets, "decode") or self.decode_sizes[0],
+                self._compiled_prefix(buckets, "prefill") or self.prefill_token_sizes[0])
+
+    def _compiled_prefix(self, buckets: list[WarmupBucket], kind) -> int | None:
+        """The largest size of ``kind`` whose buckets up to it are all compiled (None: not even the smallest)."""
+        largest = None
+        for bucket in sorted((b for b in buckets if b.kind == kind), key=lambda b: b.size):
+            if not all(program.key in self.programs.compiled for program in bucket.programs):
+                break
+            largest = bucket.size
+        return largest
+
+    def _compression_rows_ready(self, budget: int, width: int, most: int) -> int:
+        """``most``, or less while a ready-early warm-up still compiles the larger row buckets of this shape."""
+        buckets = self._pending_buckets
+        if buckets is None or not any(b.kind == ("compress", budget, width) for b in buckets):
+            return most
+        return min(most, self._compiled_prefix(buckets, ("compress", budget, width)) or 1)
+

@@ -6,7 +6,12 @@ then lowers the rest one by one (tracing holds the GIL), each compile starting o
 program is lowered (XLA releases the GIL while it compiles), reporting progress as each finishes, and keeps them
 in the store. A bucket met later compiles on first use. Calling a ``jax.stages.Compiled`` costs the same as a
 jitted call.
+
+``compile_in_background`` does the same on a thread of its own, leaving one core to the engine loop, so that a
+server can answer while the programs a heavier load needs still compile (``ModelRunner.warmup(ready_early=True)``).
 """
+
+import logging
 
 import atexit
 import concurrent.futures
@@ -20,6 +25,8 @@ from collections.abc import Callable, Hashable, Mapping
 
 import jax
 from jax import monitoring
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -50,12 +57,19 @@ class Programs:
         # compiling (summed over the parallel compiles, so it may exceed the wall time)
         self.load_s = self.lower_s = self.compile_s = 0.0
         self.call_s = 0.0  # wall time inside compiled calls: their dispatch, and any wait the runtime imposes there
+        self.compiled_on_use = 0  # programs a call had to compile first (a step waited on them)
+        self._background: threading.Thread | None = None
 
     @property
     def compiling_unused(self) -> bool:
         """Whether compiles a stopped ``compile_all`` left behind still run (a process exiting now would wait for
         them: XLA cannot interrupt a compile)."""
-        return any(not future.done() for future in self._left_running)
+        return self.compiling_in_background or any(not future.done() for future in self._left_running)
+
+    @property
+    def compiling_in_background(self) -> bool:
+        """Whether a ``compile_in_background`` is still at work."""
+        return self._background is not None and self._background.is_alive()
 
     @property
     def compiled(self) -> Mapping[Hashable, jax.stages.Compiled]:
@@ -68,6 +82,7 @@ class Programs:
         if compiled is None:
             self.compile_all([program])
             compiled = self._compiled[program.key]
+            self.compiled_on_use += 1
         start = time.perf_counter()
         out = compiled(*args)
         self.call_s += time.perf_counter() - start
@@ -80,20 +95,54 @@ class Programs:
         ``stop``, once done, ends the compiling at once (``CompileStopped``): the programs not started are dropped
         and those compiling finish in the background, unused (XLA cannot be interrupted); all compile on first
         use. The server stops its warm-up so when it is asked to shut down."""
+        start = time.perf_counter()
+        try:
+            return self._compile_all(programs, progress, stop, os.cpu_count() or 1)
+        finally:
+            self.compile_wall_s += time.perf_counter() - start
+
+    def compile_in_background(self, programs: list[Program], progress=None,
+                              stop: concurrent.futures.Future | None = None, done: Callable[[], None] | None = None):
+        """``compile_all`` on a thread of its own, one core short of the machine (the engine loop keeps one), in
+        the order given; ``done()`` is called after. Its seconds are not ``compile_wall_s``: no step waits on
+        them. The arguments are made abstract first: the arrays among them may be donated before they lower."""
+        programs = [dataclasses.replace(p, args=jax.tree.map(_abstract, p.args)) for p in programs]
+        workers = max(1, (os.cpu_count() or 1) - 1)
+
+        def work():
+            try:
+                self._compile_all(programs, progress, stop, workers)
+            except CompileStopped as stopped:
+                log.info("background compiling stopped (%s)", stopped)
+            except Exception:  # a program left out compiles on first use; serving goes on
+                log.exception("background compiling failed")
+            finally:
+                if done is not None:
+                    done()
+
+        self._background = threading.Thread(target=work, name="compile-background", daemon=True)
+        self._background.start()
+
+    def join_background(self):
+        """Wait until a ``compile_in_background`` has finished (benchmarks and tests; a server never waits)."""
+        if self._background is not None:
+            self._background.join()
+
+    def _compile_all(self, programs: list[Program], progress, stop, workers: int) -> float:
         progress = progress or self.progress
         todo = list({p.key: p for p in programs if p.key not in self._compiled}.values())
         if not todo:
             return 0.0
         start = time.perf_counter()
         if self.store is not None:  # in parallel: each load reads a file and loads its executable's kernels
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as loader:
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), workers))) as loader:
                 for program, compiled in zip(todo, loader.map(self.store.load, todo)):
                     if compiled is not None:
                         self._compiled[program.key] = compiled
             todo = [p for p in todo if p.key not in self._compiled]
             self.load_s += time.perf_counter() - start
         stopping = {stop} if stop is not None else set()
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1)))
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), workers)))
         waiting, stopped, finished = set(), False, 0
 
         def collect(done):
@@ -131,7 +180,6 @@ class Programs:
                 check_stop()
         finally:
             pool.shutdown(wait=not stopped, cancel_futures=stopped)
-            self.compile_wall_s += time.perf_counter() - start
         return time.perf_counter() - start
 
 
