@@ -797,15 +797,14 @@ def test_ready_early_serves_while_the_rest_compiles_in_the_background(monkeypatc
     """With ``ready_early`` /health is 200 once a light load's programs are compiled and says the rest compile in
     the background; requests are served meanwhile, within the compiled buckets (no compile waited on); when the
     background is done /health says plain ok."""
-    held, start_background = [], Programs.compile_in_background
+    held = []
     monkeypatch.setattr(Programs, "compile_in_background", lambda *args, **kwargs: held.append((args, kwargs)))
-    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, compilation_cache_dir=None)
+    engine = make_engine()  # its programs mostly load from the module's store: compiled or loaded, all the same
     with live_server(engine, warmup=True, ready_early=True) as live:
         wait_until(lambda: live.get("/health").status_code == 200, "the server to be ready")
         assert held and "background" in live.get("/health").json()["detail"]
         prompts = ["1+1", "12+30", "7+8+9", "100+23"] * 3  # 12 requests: more than the 8 rows compiled
         done = live.client().completions.create(model="tiny-reasoner", prompt=prompts, max_tokens=4, temperature=0)
         assert len(done.choices) == 12 and engine.metrics()["num_compiles_waited_on"] == 0
-        start_background(*held[0][0], **held[0][1])
-        engine.runner.programs.join_background()
+        held[0][1]["done"]()  # the background's end (its compiles: tests/test_compression_engine.py)
         wait_until(lambda: live.get("/health").json() == {"status": "ok"}, "the background compiles to be reported")
