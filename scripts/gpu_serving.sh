@@ -21,16 +21,19 @@ engine=(--model "$CKPT" --page-size "$PAGE" --max-model-len "$LEN" --kv-cache-me
         --compilation-cache-dir /tmp/zipage-cache)
 client=(--workload reasoning --page-size "$PAGE" --budget-tokens $((PAGE * BUDGET)) --vocab-size ${VOCAB:-151936}
         --max-model-len "$LEN" --slo-ttft 2 --slo-tpot 0.1)
-serve() {  # mode, engine options...: start a server, wait until /health answers 200 (or it dies)
+serve() {  # mode, engine options...: start a server, wait until /health answers 200 (or it dies), then until the
+  # programs of larger batches, compiling in the background, are ready too (measurements are of the steady state)
   local mode=$1; shift
   python3 -m zipage_jax.serve "${engine[@]}" "$@" --port 8000 --log-level warning > "$OUT/server_$mode.log" 2>&1 &
   SERVER=$!
   local start=$SECONDS
   until curl -sf http://127.0.0.1:8000/health > /dev/null; do
     kill -0 $SERVER 2> /dev/null || { echo "$mode server died"; tail -5 "$OUT/server_$mode.log"; return 1; }
-    sleep 1
+    sleep 0.2
   done
   echo "$mode server ready after $((SECONDS - start))s"
+  until [ "$(curl -sf http://127.0.0.1:8000/health)" = '{"status":"ok"}' ]; do sleep 0.5; done
+  echo "$mode server: every program ready after $((SECONDS - start))s"
 }
 bench() {  # name, seconds, bench serving arguments...
   local name=$1 limit=$2; shift 2

@@ -611,13 +611,15 @@ class ModelRunner:
         if compressions:
             size = pick_bucket(self.swap_page_sizes, self.config.kv_budget_pages + 1)
             buckets.append(WarmupBucket("swap", size, list(self._swap_programs(size))))
-        # what a light load needs first: the smallest bucket of each kind (every compression width at one row)
-        smallest = {}
-        for b in buckets:
-            smallest[b.kind] = min(smallest.get(b.kind, b.size), b.size)
-        for b in buckets:
-            b.light = b.size == smallest[b.kind]
-        return sorted(buckets, key=lambda b: (not b.light, b.size))
+        # a light load needs the smallest bucket of each kind (every compression width at one row); the rest
+        # follow level by level (the second size of every kind, then the third, ...), so all kinds grow together
+        sizes = {}
+        for bucket in buckets:
+            sizes.setdefault(bucket.kind, []).append(bucket.size)
+        level = {id(b): sorted(sizes[b.kind]).index(b.size) for b in buckets}
+        for bucket in buckets:
+            bucket.light = level[id(bucket)] == 0
+        return sorted(buckets, key=lambda b: level[id(b)])
 
     def warmup_programs(self) -> list[Program]:
         return [p for bucket in self.warmup_buckets() for p in bucket.programs]
