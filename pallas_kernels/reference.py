@@ -67,7 +67,8 @@ def ragged_prefill_ref(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables
     """Packed query chunks ``q [T, Hq, D]``, causal over each request's cached slots plus the chunk itself.
 
     Request ``r`` owns query tokens ``[cu_q_lens[r], cu_q_lens[r+1])``: the last ``q_len`` of its ``kv_lens[r]``
-    tokens (their K/V already written). Loops over requests so scratch stays ``O(T * K)`` per request.
+    tokens (their K/V already written). Loops over requests so scratch stays ``O(T * K)`` per request, and skips
+    the rows without tokens (a bucket's spare rows: most of them when few prompts are prefilled).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[2]
@@ -79,13 +80,16 @@ def ragged_prefill_ref(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
     slots = jnp.arange(page_tables.shape[1] * k_pool.shape[3])
 
-    def one_request(r, out):
+    def attend(r, out):
         k = gather_request_kv(k_pool, layer, page_tables[r][None])[0]  # [Hkv, K, D]
         v = gather_request_kv(v_pool, layer, page_tables[r][None])[0]
         mine = valid & (owner == r)
         mask = mine[:, None] & (slots[None, :] <= positions[:, None]) & (slots[None, :] < kv_lens[r])
         o = masked_attention(qg, k, v, mask[None, None], sm_scale)  # [Hkv, G, T, D]
         return jnp.where(mine[None, None, :, None], o, out)
+
+    def one_request(r, out):
+        return jax.lax.cond(q_lens[r] > 0, attend, lambda r, out: out, r, out)
 
     out = jax.lax.fori_loop(0, kv_lens.shape[0], one_request, jnp.zeros(qg.shape, jnp.float32))
     return out.transpose(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
