@@ -4,6 +4,9 @@
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh kernels  # kernel rows: one 8k prompt, 64 prompts of 128-2048 tokens
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh ttft     # engine time to first token, 16k prompt, Qwen3-8B shapes
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh profile  # Mosaic GPU profiler trace of the kernel on a 2k prompt
+#   OUT=/tmp/out bash scripts/gpu_prefill.sh diagnose # why 64 ragged prompts run at 70 % of one 8k prompt: the same
+#       tokens as uniform prompts (64 x 1088: short contexts alone) against ragged ones (imbalance), fewer longer
+#       prompts, and KV blocks of 64 (less masked work on the diagonal of short prompts)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -19,5 +22,9 @@ case "${1:-kernels}" in
     timeout 400 python3 -m pallas_kernels.bench --sections prefill --prefill-cases 1x2048 --reps 8 \
       --prefill-profile "$OUT/trace" --json "$OUT/profile_rows.json" 2>&1 | tee "$OUT/profile.log" | tail -12
     gzip -f "$OUT"/trace/*/*.json ;;
-  *) echo "usage: OUT=DIR bash scripts/gpu_prefill.sh kernels|ttft|profile" >&2; exit 2 ;;
+  diagnose)
+    timeout 580 python3 -m pallas_kernels.bench --sections prefill --time-budget 520 \
+      --prefill-cases 1x8192,64x1088,64x128-2048,16x4352,256x272 --prefill-variants 64:2 \
+      --json "$OUT/diagnose.json" 2>&1 | tee "$OUT/diagnose.log" | grep -v '^{' ;;
+  *) echo "usage: OUT=DIR bash scripts/gpu_prefill.sh kernels|ttft|profile|diagnose" >&2; exit 2 ;;
 esac
