@@ -1,6 +1,7 @@
 """The executable store: a warm start loads the engine's programs without tracing or compiling them, in another
 process; a corrupt or foreign entry is dropped and compiled again; the key follows what shapes a program."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -144,3 +145,30 @@ def test_a_second_process_on_the_same_store_traces_and_compiles_nothing(tmp_path
     assert warm["loaded"] == warm["programs"] == cold["programs"] and warm["saved"] == 0
     assert warm["traces"] == 0 and warm["compiles"] == 0
     assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == 40  # compressions ran on loaded programs
+
+
+def test_background_compiles_are_kept_apart_and_stop_when_asked(tmp_path):
+    """``compile_in_background`` compiles (and stores) every program on its own thread, calls ``done`` after, and
+    leaves ``compile_wall_s`` (what steps waited on) alone; a call then finds its program compiled. Asked to stop
+    before it starts, it compiles nothing and still ends."""
+    programs = [_program(scale) for scale in (1.0, 2.0, 3.0)]
+    compiled = Programs(store=ExecutableStore(tmp_path, "fp"))
+    ended = []
+    compiled.compile_in_background([p for p, _ in programs], done=lambda: ended.append(True))
+    compiled.join_background()
+    assert ended == [True] and not compiled.compiling_in_background and not compiled.compiling_unused
+    assert set(compiled.compiled) == {p.key for p, _ in programs} and compiled.store.saved == 3
+    assert compiled.compile_wall_s == 0.0
+    program, x = programs[1]
+    np.testing.assert_allclose(np.asarray(compiled.run(program, jnp.asarray(x))), np.tanh(2 * x) @ x.T,
+                               rtol=1e-4, atol=1e-4)
+    assert compiled.compiled_on_use == 0
+
+    stop = concurrent.futures.Future()
+    stop.set_result(None)
+    stopped = Programs()
+    stopped.compile_in_background([p for p, _ in programs], stop=stop, done=lambda: ended.append(False))
+    stopped.join_background()
+    assert ended == [True, False] and not stopped.compiled and not stopped.compiling_unused
+    stopped.run(program, jnp.asarray(x))  # what was not compiled compiles on first use, counted as waited on
+    assert stopped.compiled_on_use == 1
