@@ -11,11 +11,10 @@ jitted call.
 server can answer while the programs a heavier load needs still compile (``ModelRunner.warmup(ready_early=True)``).
 """
 
-import logging
-
 import atexit
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import threading
 import time
