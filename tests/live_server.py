@@ -12,7 +12,7 @@ import httpx
 import openai
 import uvicorn
 
-from waiting import HANG_S
+from waiting import HANG_S, wait_until
 from zipage_jax.entrypoints.api_server import create_app
 
 
@@ -55,10 +55,11 @@ class Live:
         assert not self.thread.is_alive(), "server did not shut down"
 
 
-def stream_all_cancelling_odd(live: Live, model: str, prompts: list[str], max_tokens: int,
-                              cancel_max_tokens: int) -> list[str | None]:
+def stream_all_cancelling_odd(live: Live, model: str, prompts: list[str], wants: dict[int, str], max_tokens: int,
+                              cancel_max_tokens: int) -> dict:
     """Stream every prompt at once (greedy); the odd ones ask for ``cancel_max_tokens`` tokens ignoring EOS and are
-    closed by their client at their first text. The even ones' texts, None for the odd."""
+    closed by their client at their first text. Checks that each even one's text is ``wants[i]``, waits until no
+    request is in flight or running, and returns the server's metrics then."""
     async def one(client, i):
         cancel = i % 2 == 1
         stream = await client.completions.create(
@@ -78,7 +79,12 @@ def stream_all_cancelling_odd(live: Live, model: str, prompts: list[str], max_to
                                       timeout=HANG_S) as client:
             return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
 
-    return asyncio.run(main())
+    for i, text in enumerate(asyncio.run(main())):
+        if i % 2 == 0:
+            assert text == wants[i], i
+    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "all requests to close")
+    wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
+    return live.metrics()
 
 
 @contextlib.contextmanager

@@ -525,13 +525,7 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
 
     engine.step = recording_step
 
-    results = stream_all_cancelling_odd(live, model, prompts, max_tokens=48, cancel_max_tokens=400)
-    for i, text in enumerate(results):
-        if i % 2 == 0:
-            assert text == wants[i], i
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "all requests to close")
-    wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
-    after = live.metrics()
+    after = stream_all_cancelling_odd(live, model, prompts, wants, max_tokens=48, cancel_max_tokens=400)
     assert after["zipage_kv_pages_used"] == baseline_pages
     assert after["zipage_server_client_aborts_total"] - before["zipage_server_client_aborts_total"] == 32
     del engine.step
