@@ -674,9 +674,10 @@ class ModelRunner:
                 self._compiled_prefix(buckets, "prefill") or self.prefill_token_sizes[0])
 
     def _compiled_prefix(self, buckets: list[WarmupBucket], kind) -> int | None:
-        """The largest size of ``kind`` whose buckets up to it are all compiled (None: not even the smallest)."""
+        """The largest size of ``kind`` whose buckets up to it are all compiled (None: not even the smallest);
+        ``buckets`` in ``warmup_buckets``' order, each kind's sizes ascending."""
         largest = None
-        for bucket in sorted((b for b in buckets if b.kind == kind), key=lambda b: b.size):
+        for bucket in (b for b in buckets if b.kind == kind):
             if not all(program.key in self.programs.compiled for program in bucket.programs):
                 break
             largest = bucket.size
