@@ -152,11 +152,8 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
         events.send(("error", (isinstance(error, ValueError), str(error) if isinstance(error, ValueError)
                                else f"{type(error).__name__}: {error}")))
         return
-    tokenizer_path = None
-    if engine.tokenizer is not None:
-        tokenizer_path = getattr(engine.tokenizer, "name_or_path", None) or engine.model_path
     events.send(("built", dict(model_name=engine.model_name, max_model_len=engine.max_model_len,
-                               config=engine.config, tokenizer_path=tokenizer_path)))
+                               config=engine.config, tokenizer_path=engine.tokenizer_path)))
     queued: queue.SimpleQueue = queue.SimpleQueue()
     stop_warmup = concurrent.futures.Future()
 
