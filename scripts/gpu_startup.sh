@@ -17,7 +17,7 @@ run() {  # label, tree, mode, cache directory, more options
   (cd "$tree" && PYTHONPATH=. timeout "${RUN_TIMEOUT:-240}" python3 -m zipage_jax.bench startup --model "$CKPT" \
     "${options[@]}" --compilation-cache-dir "$cache" --workload 8 --json "$OUT/startup.jsonl") > "$OUT/$label.log" 2>&1
   echo "$label: $(grep -E 'ready in' "$OUT/$label.log" | tail -1)$(grep -E 'Error' "$OUT/$label.log" | tail -1)"
-  grep -E "^ready early|^LLM\(\) by phase|^tokenizer:" "$OUT/$label.log"
+  grep -E "^ready early|^LLM\(\) by phase" "$OUT/$label.log"
   grep -E "KV pool" "$OUT/$label.log" | head -1 | cut -c1-400
 }
 if [ -n "${BEFORE:-}" ]; then

@@ -262,26 +262,6 @@ def test_quiet_start_and_long_prompts(llm, caplog):
     assert len(ids) >= 5000 and not [r for r in caplog.records if "sequence length" in r.getMessage()]
 
 
-def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_path):
-    """The tokenizer (transformers, and torch where installed: seconds) loads on a thread while the pool, the
-    weights and the warm-up are built; its end-of-sequence token joins the engine's only once it is there, and
-    the first use waits for it."""
-    import json
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(f"{FIXTURES}/qwen3", model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
-    llm = LLM(str(model), page_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
-              compilation_cache_dir=None)
-    engine = llm.engine
-    assert engine.eos_token_ids == (5,) and engine.runner.eos_token_ids == (5,)  # the config's alone, so far
-    assert engine.tokenizer.eos_token_id == 2
-    assert engine.eos_token_ids == (2, 5) and engine.runner.eos_token_ids == (2, 5)
-    assert engine.tokenizer_load_s > 0 and engine.tokenizer_wait_s <= engine.tokenizer_load_s
-
-
 def test_a_model_directory_without_a_tokenizer_is_a_value_error_at_once(tmp_path):
     import shutil
 

@@ -87,8 +87,6 @@ def main(argv=None):
         print("LLM() by phase: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in r["init_phases_s"].items())
               + f"; inside them {r['init_compiles']} compiles ({r['init_compile_s']:.2f}s summed: the pool's fill, the "
                 f"weights' conversions, some in parallel)")
-        print(f"tokenizer: loaded in {r['tokenizer_load_s']:.1f}s beside the rest; the start waited "
-              f"{r['tokenizer_wait_s']:.1f}s for it")
         print(r["memory_plan"])
         if args.json:
             with open(args.json, "a") as f:

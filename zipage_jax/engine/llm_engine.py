@@ -8,7 +8,6 @@ drives it from one loop thread.
 """
 
 import collections
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -70,9 +69,8 @@ class LLMEngine:
         local = pathlib.Path(config.model).expanduser()
         self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
         self.model_path = config.model  # where the files are (a Hub id's snapshot)
-        self.tokenizer_path = None
-        self._tokenizer = self._tokenizer_loading = None
-        self.tokenizer_load_s = self.tokenizer_wait_s = 0.0
+        self.tokenizer = self.tokenizer_path = None
+        eos = set()
         if model_cfg is None and runner is None:
             self.model_path = hub.local_dir(config.model)
             self.tokenizer_path = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
@@ -80,15 +78,12 @@ class LLMEngine:
                 field = "tokenizer" if config.tokenizer else "model"
                 raise ValueError(f"{field}: no tokenizer in {self.tokenizer_path} (none of {', '.join(TOKENIZER_FILES)}"
                                  f"){'' if config.tokenizer else '; name one with tokenizer'}")
-            # transformers imports torch where it is installed: seconds, spent beside the pool, the weights and
-            # the warm-up instead of before them (``tokenizer`` waits for it)
-            loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-            self._tokenizer_loading = loader.submit(timed, load_tokenizer, self.tokenizer_path)
-            loader.shutdown(wait=False)
             model_cfg = ModelConfig.from_pretrained(self.model_path)
+            self.tokenizer = load_tokenizer(self.tokenizer_path)
+            if self.tokenizer.eos_token_id is not None:
+                eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg
-        self.startup_s["config"] = time.perf_counter() - mark
-        eos = set()
+        self.startup_s["config_and_tokenizer"] = time.perf_counter() - mark
         if model_cfg is not None:
             eos.update(model_cfg.eos_token_ids)
             limit = model_cfg.max_position_embeddings
@@ -116,20 +111,6 @@ class LLMEngine:
         self.history = MetricsHistory(config.metrics_interval_steps)
         self._step_observers: list = []
         self._limited = False  # whether the runner may still limit the steps (``warmup(ready_early=True)``)
-
-    @property
-    def tokenizer(self):
-        """The HF tokenizer (None where the engine serves token ids only). It loads in the background from the
-        start; the first use waits for it, and adds its end-of-sequence token to the engine's."""
-        if self._tokenizer_loading is not None:
-            mark = time.perf_counter()
-            tokenizer, self.tokenizer_load_s = self._tokenizer_loading.result()
-            self.tokenizer_wait_s = time.perf_counter() - mark  # what the load added to the start
-            if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
-                self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_token_id}))
-                self.runner.eos_token_ids = self.eos_token_ids
-            self._tokenizer, self._tokenizer_loading = tokenizer, None
-        return self._tokenizer
 
     def _build_device_side(self, params) -> tuple[ModelRunner, Scheduler]:
         """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""
@@ -500,7 +481,6 @@ class LLMEngine:
                 progress(*args)
 
         report = self.runner.warmup(logged, stop, ready_early=ready_early)
-        self.tokenizer  # noqa: B018 (ready means ready for text too: waits for the tokenizer's load, if still on)
         self._limited = ready_early and bool(report.get("background"))
         self.history.mark_steady(self)
         log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "
@@ -510,12 +490,6 @@ class LLMEngine:
         if report.get("background"):
             log.info("serving now; %d more programs compile in the background", report["background"])
         return report
-
-
-def timed(function, *args):
-    """``(function(*args), its seconds)``."""
-    start = time.perf_counter()
-    return function(*args), time.perf_counter() - start
 
 
 def log_compile(done: int, total: int, name: str, seconds: float):
