@@ -6,9 +6,10 @@
 # (POOL bytes) puts full KV under the memory pressure that long reasoning outputs bring.
 #   OUT=/tmp/out bash scripts/gpu_serving.sh
 #   OUT=/tmp/out STAGE=streams bash scripts/gpu_serving.sh   # only the closed-loop streams against the offline engine
-#   OUT=/tmp/out STAGE=rates POOL=1500000000 RATES="2 4 8" REQUESTS=96 bash scripts/gpu_serving.sh
-#       # only the request rates of both modes, with a pool small enough that full KV saturates (~10 requests of
-#       # 1k tokens fit) and compressed does not: the rate each sustains at p99 TTFT <= 2 s
+#   OUT=/tmp/out STAGE=rates POOL=1500000000 RATES="16 32" REQUESTS=192 bash scripts/gpu_serving.sh
+#       # only the request rates of both modes, with a pool small enough that full KV saturates (~10k tokens: at
+#       # 8 req/s ~35 requests of ~250 live tokens still fit) and compressed does not: the rate each sustains at
+#       # p99 TTFT <= 2 s
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
