@@ -1,6 +1,9 @@
 """Model math against HF transformers fixtures (tests/fixtures/hf, made by scripts/make_hf_fixtures.py)."""
 
 import functools
+import json
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -8,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import zipage_jax
 from zipage_jax.layers.attention import REFERENCE
 from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
 from zipage_jax.models.params import fuse_columns, unfuse_columns
@@ -202,6 +208,52 @@ def test_unsupported_model_type_and_rope_type_raise():
         ModelConfig(**{**cfg.__dict__, "model_type": "mistral"})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_hf_config(_legacy_hf_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+def _config_reads_as_through_autoconfig(directory, raw):
+    from transformers import AutoConfig
+
+    (directory / "config.json").write_text(json.dumps(raw))
+    try:
+        expected = ModelConfig.from_hf_config(AutoConfig.from_pretrained(directory))
+    except Exception as error:  # noqa: BLE001 (whatever AutoConfig raises, the JSON path must raise too)
+        with pytest.raises(type(error)):
+            ModelConfig.from_pretrained(directory)
+        return
+    assert ModelConfig.from_pretrained(directory) == expected, sorted(raw)
+
+
+FIXTURE_NAMES = ["llama", "llama3_rope", "qwen2", "qwen3", "qwen3_untied"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_config_without_any_one_key_reads_as_through_autoconfig(tmp_path, name):
+    """A config.json missing any one key reads the same (or fails the same) as through AutoConfig: the plain-JSON
+    path is taken only where no class default could differ."""
+    raw = json.loads((FIXTURES / name / "config.json").read_text())
+    _config_reads_as_through_autoconfig(tmp_path, raw)
+    for key in raw:
+        _config_reads_as_through_autoconfig(tmp_path, {k: v for k, v in raw.items() if k != key})
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(FIXTURE_NAMES), data=st.data())
+def test_config_without_some_keys_reads_as_through_autoconfig(tmp_path_factory, name, data):
+    raw = json.loads((FIXTURES / name / "config.json").read_text())
+    dropped = data.draw(st.sets(st.sampled_from(sorted(raw)), max_size=3), label="dropped keys")
+    _config_reads_as_through_autoconfig(tmp_path_factory.mktemp("config"),
+                                        {k: v for k, v in raw.items() if k not in dropped})
+
+
+def test_complete_configs_are_read_without_transformers():
+    """The shipped model's and the fixtures' configs state every field, so reading them imports no transformers
+    (which imports torch where installed: seconds of every start)."""
+    paths = [str(FIXTURES / name) for name in FIXTURE_NAMES]
+    paths.append(str(Path(zipage_jax.__file__).parent / "assets" / "tiny-reasoner"))
+    code = ("import sys; from zipage_jax.models.config import ModelConfig\n"
+            f"for p in {paths!r}: ModelConfig.from_pretrained(p)\n"
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
 def test_fixture_tokenizer_round_trips_text():

@@ -78,7 +78,7 @@ def offline_request(engine, prompt, **params):
 
 
 def chat_ids(engine, messages) -> list[int]:
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = engine.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -457,7 +457,7 @@ def test_stop_special_token_truncation_and_chat_template_fields(live, model, eng
     got = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=20,
                                          extra_body={"add_generation_prompt": False, "continue_final_message": True,
                                                      "echo": True, "chat_template_kwargs": {"enable_thinking": False}})
-    prompt = engine.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    prompt = engine.get_tokenizer().apply_chat_template(messages, continue_final_message=True, tokenize=False)
     want, _ = offline(reference, prompt, temperature=0.0, max_tokens=20)
     assert got.choices[0].message.content == "01:5187" + want.text and want.text.startswith("600\n")
     tokens = client.completions.create(logprobs=0, extra_body={"return_tokens_as_token_ids": True},

@@ -30,7 +30,7 @@ class ThreadCore:
 
     def __init__(self, engine, warmup: bool = False, ready_early: bool = False):
         self.engine, self.warmup, self.ready_early = engine, warmup, ready_early
-        self.tokenizer, self.model_name, self.config = engine.tokenizer, engine.model_name, engine.config
+        self.tokenizer, self.model_name, self.config = engine.get_tokenizer(), engine.model_name, engine.config
         self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop_warmup = concurrent.futures.Future()

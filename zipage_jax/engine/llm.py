@@ -20,10 +20,12 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """transformers' tokenizer of the model (loaded on first use after a warm start, whose engine encodes and
+        decodes through the stored Rust pipeline: no transformers import)."""
+        return self.engine.get_tokenizer()
 
     def metrics(self) -> dict:
         return self.engine.metrics()

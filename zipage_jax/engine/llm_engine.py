@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import pathlib
 import time
 
@@ -24,6 +25,7 @@ from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.core.scheduler import Scheduler
 from zipage_jax.core.stopping import check_stop
 from zipage_jax.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from zipage_jax.engine.tokenizer_store import StoredTokenizer, load_engine_tokenizer
 from zipage_jax.engine.metrics import MetricsHistory, StepRecord
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
@@ -69,7 +71,7 @@ class LLMEngine:
         local = pathlib.Path(config.model).expanduser()
         self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
         self.model_path = config.model  # where the files are (a Hub id's snapshot)
-        self.tokenizer = self.tokenizer_path = None
+        self.tokenizer = self.tokenizer_path = self._transformers_tokenizer = None
         eos = set()
         if model_cfg is None and runner is None:
             self.model_path = hub.local_dir(config.model)
@@ -79,7 +81,8 @@ class LLMEngine:
                 raise ValueError(f"{field}: no tokenizer in {self.tokenizer_path} (none of {', '.join(TOKENIZER_FILES)}"
                                  f"){'' if config.tokenizer else '; name one with tokenizer'}")
             model_cfg = ModelConfig.from_pretrained(self.model_path)
-            self.tokenizer = load_tokenizer(self.tokenizer_path)
+            store = os.path.join(config.compilation_cache_dir, "tokenizers") if config.compilation_cache_dir else None
+            self.tokenizer = load_engine_tokenizer(self.tokenizer_path, store)
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg
@@ -111,6 +114,15 @@ class LLMEngine:
         self.history = MetricsHistory(config.metrics_interval_steps)
         self._step_observers: list = []
         self._limited = False  # whether the runner may still limit the steps (``warmup(ready_early=True)``)
+
+    def get_tokenizer(self):
+        """transformers' tokenizer (chat templates and the rest of its API). The engine's own ``tokenizer`` may be
+        the stored Rust pipeline of a warm start (``tokenizer_store``); this loads transformers' on first use."""
+        if not isinstance(self.tokenizer, StoredTokenizer):
+            return self.tokenizer
+        if self._transformers_tokenizer is None:
+            self._transformers_tokenizer = load_tokenizer(self.tokenizer_path)
+        return self._transformers_tokenizer
 
     def _build_device_side(self, params) -> tuple[ModelRunner, Scheduler]:
         """Weights on the devices, the memory plan, the runner over its donated state, the scheduler."""

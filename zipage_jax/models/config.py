@@ -6,6 +6,9 @@ Frozen and hashable so it can be a static argument of jitted functions.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import types
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -71,7 +74,16 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path) -> "ModelConfig":
-        """Read `config.json` of a HF checkpoint directory (or Hub id) through transformers.AutoConfig."""
+        """Read `config.json` of a HF checkpoint directory (or Hub id).
+
+        A config that states every field whose default differs between the HF classes is read as plain JSON:
+        importing transformers imports torch where it is installed, seconds of a start that needs only a few
+        numbers. Any other config goes through transformers.AutoConfig, which knows each class's defaults.
+        """
+        file = pathlib.Path(path).expanduser() / "config.json"
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+        if _states_every_class_default(raw):
+            return cls.from_hf_config(types.SimpleNamespace(**raw))
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(str(path)))
@@ -123,6 +135,23 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=str(dtype).removeprefix("torch."),
         )
+
+
+# Read from JSON only when present: their defaults differ between the HF classes (Qwen2's 32 kv heads, Qwen3's
+# head_dim of 128, Llama's bos of 1). The fields absent here default to the same value in every class.
+_FIELDS_WITHOUT_COMMON_DEFAULT = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                  "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+
+
+def _states_every_class_default(raw: dict) -> bool:
+    """Whether ``raw`` (a config.json) reads the same as plain JSON as through its transformers class."""
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES or any(k not in raw for k in _FIELDS_WITHOUT_COMMON_DEFAULT):
+        return False
+    if raw["model_type"] == "qwen3" and raw.get("head_dim") is None:
+        return False
+    rope = raw.get("rope_parameters") or {}
+    return "rope_theta" in raw or (isinstance(rope, dict) and "rope_theta" in rope)
 
 
 def _read_rope(hf_config) -> tuple[float, Llama3RopeScaling | None]:
