@@ -98,3 +98,18 @@ print(type(llm.get_tokenizer()).__name__, llm.get_tokenizer().encode("The sum of
     (cold_type, cold_ids, cold_hf), (warm_type, warm_ids, warm_hf) = runs
     assert warm_type == "StoredTokenizer False" and not cold_type.startswith("StoredTokenizer")
     assert warm_ids == cold_ids and cold_hf == warm_hf and warm_hf.endswith(cold_ids.split("] ")[0] + "]")
+
+
+def test_a_truncation_in_the_tokenizer_file_truncates_neither(tmp_path):
+    """transformers' encode sets the pipeline's truncation and padding per call (none unless asked), whatever the
+    file says; the stored pipeline must not keep the file's."""
+    shutil.copytree(SHIPPED, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
+    file = tmp_path / "model" / "tokenizer.json"
+    content = json.loads(file.read_text())
+    content["truncation"] = dict(direction="Right", max_length=4, strategy="LongestFirst", stride=0)
+    file.write_text(json.dumps(content))
+    load_engine_tokenizer(str(tmp_path / "model"), str(tmp_path / "store"))
+    stored = load_engine_tokenizer(str(tmp_path / "model"), str(tmp_path / "store"))
+    text = "the sum of three and four is seven"
+    expected = AutoTokenizer.from_pretrained(tmp_path / "model").encode(text)
+    assert isinstance(stored, StoredTokenizer) and stored.encode(text) == expected and len(expected) > 4

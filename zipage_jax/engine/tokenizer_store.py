@@ -25,6 +25,7 @@ from zipage_jax.engine.detokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+KEYED_FILES = ("config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
 
 
 class StoredTokenizer:
@@ -33,6 +34,8 @@ class StoredTokenizer:
 
     def __init__(self, pipeline: str, eos_token_id: int | None, name_or_path: str):
         self._tokenizer = Tokenizer.from_str(pipeline)
+        self._tokenizer.no_truncation()  # as transformers' encode without truncation or padding sets them
+        self._tokenizer.no_padding()
         self.eos_token_id = eos_token_id
         self.name_or_path = name_or_path
 
@@ -64,11 +67,11 @@ def load_engine_tokenizer(path: str, store_dir: str | None):
 
 
 def _key(path) -> str:
-    """SHA-256 of the tokenizer's files (every non-weight file of the directory) and the libraries' versions."""
+    """SHA-256 of the files transformers builds the tokenizer from (the config names its class) and the libraries'
+    versions."""
     digest = hashlib.sha256(f"{FORMAT} {_version('transformers')} {_version('tokenizers')}".encode())
-    root = pathlib.Path(path)
-    for file in sorted(root.iterdir()):
-        if file.is_file() and not file.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")):
+    for file in sorted(pathlib.Path(path).iterdir()):
+        if file.is_file() and (file.name in KEYED_FILES or "tokeniz" in file.name or "chat_template" in file.name):
             digest.update(file.name.encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()
