@@ -13,8 +13,9 @@ from waiting import wait_until
 from zipage_jax.engine.core_client import ProcessCore
 from zipage_jax.engine.engine_core import OutputDelta, _delta, merge
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
 
-from test_serve import TINY_MODEL, make_engine, offline
+from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
 OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
                max_num_prefill_seqs=8, num_gpu_pages_override=512, compilation_cache_dir=None)
@@ -53,8 +54,13 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def live():
-    core = ProcessCore.launch(TINY_MODEL, OPTIONS, warmup=False, log_level="WARNING")
+def live(tmp_path_factory):
+    """The engine process on a cache whose tokenizer store a first start filled: its server encodes through the
+    stored pipeline and renders chat templates with transformers' tokenizer (``ServingTokenizer``)."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    load_engine_tokenizer(TINY_MODEL, cache)
+    core = ProcessCore.launch(TINY_MODEL, {**OPTIONS, "compilation_cache_dir": cache}, warmup=False,
+                              log_level="WARNING")
     with live_server(core, max_queued_requests=16) as server:
         server.core = core
         yield server
@@ -75,6 +81,15 @@ def test_requests_through_the_engine_process_match_the_engine(live, reference):
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=model, prompt=prompt, temperature=0, stream=True, **params))
         assert streamed == want.text
+
+
+def test_chat_through_the_stored_tokenizer_matches_the_engine(live, reference):
+    assert isinstance(live.core.tokenizer, ServingTokenizer)
+    messages = [{"role": "user", "content": "What is 12+7?"}]
+    want, _ = offline(reference, chat_ids(reference, messages), temperature=0.0, max_tokens=30)
+    got = live.client().chat.completions.create(model=model_of(live), messages=messages, temperature=0, max_tokens=30)
+    assert got.choices[0].message.content == want.text and got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(chat_ids(reference, messages))
 
 
 def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live, reference):

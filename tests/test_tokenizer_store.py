@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import zipage_jax
-from zipage_jax.engine.tokenizer_store import StoredTokenizer, load_engine_tokenizer
+from zipage_jax.engine.tokenizer_store import (ServingTokenizer, StoredTokenizer, load_engine_tokenizer,
+                                              load_serving_tokenizer)
 from seeds import fresh_seed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -58,7 +59,7 @@ def test_stored_tokenizer_decodes_and_ends_as_transformers(pairs):
 def test_a_corrupt_entry_is_rebuilt_and_other_files_are_other_entries(tmp_path):
     store = tmp_path / "store"
     load_engine_tokenizer(str(SHIPPED), str(store))
-    (entry,) = store.iterdir()
+    (entry,) = (store / "tokenizers").iterdir()
     entry.write_text('{"pipeline": "not a tokenizer"')  # cut short
     assert not isinstance(load_engine_tokenizer(str(SHIPPED), str(store)), StoredTokenizer)
     assert isinstance(load_engine_tokenizer(str(SHIPPED), str(store)), StoredTokenizer)
@@ -113,3 +114,20 @@ def test_a_truncation_in_the_tokenizer_file_truncates_neither(tmp_path):
     text = "the sum of three and four is seven"
     expected = AutoTokenizer.from_pretrained(tmp_path / "model").encode(text)
     assert isinstance(stored, StoredTokenizer) and stored.encode(text) == expected and len(expected) > 4
+
+
+def test_the_server_encodes_through_the_store_and_templates_through_transformers(tmp_path):
+    """``serve``'s process: the stored pipeline encodes and decodes at once; chat templates come from
+    transformers' tokenizer, loaded on a thread."""
+    assert not isinstance(load_serving_tokenizer(str(SHIPPED), str(tmp_path)), ServingTokenizer)  # cold: stores
+    serving = load_serving_tokenizer(str(SHIPPED), str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(SHIPPED)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]
+    for kwargs in (dict(add_generation_prompt=True), dict(add_generation_prompt=False)):
+        assert serving.apply_chat_template(messages, tokenize=False, **kwargs) == \
+            hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for special in (True, False):
+        assert serving.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+    ids = hf.encode(text)
+    assert serving.decode(ids) == hf.decode(ids) and serving.eos_token_id == hf.eos_token_id

@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 
-from zipage_jax.engine.detokenizer import load_tokenizer
 from zipage_jax.engine.engine_core import EngineCore
+from zipage_jax.engine.tokenizer_store import load_serving_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ class ProcessCore:
         self._process, self._commands_conn, self._events_conn = process, commands, events
         self.model_name, self.max_model_len, self.config = info["model_name"], info["max_model_len"], info["config"]
         self.tokenizer = None
-        if info["tokenizer_path"] is not None:
-            self.tokenizer = load_tokenizer(info["tokenizer_path"])
+        if info["tokenizer_path"] is not None:  # the engine's process stored its tokenizer's pipeline, if it could
+            self.tokenizer = load_serving_tokenizer(info["tokenizer_path"], self.config.compilation_cache_dir)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 

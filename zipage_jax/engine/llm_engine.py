@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import pathlib
 import time
 
@@ -25,9 +24,9 @@ from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.core.scheduler import Scheduler
 from zipage_jax.core.stopping import check_stop
 from zipage_jax.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
-from zipage_jax.engine.tokenizer_store import StoredTokenizer, load_engine_tokenizer
 from zipage_jax.engine.metrics import MetricsHistory, StepRecord
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from zipage_jax.engine.tokenizer_store import StoredTokenizer, load_engine_tokenizer
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
@@ -81,8 +80,7 @@ class LLMEngine:
                 raise ValueError(f"{field}: no tokenizer in {self.tokenizer_path} (none of {', '.join(TOKENIZER_FILES)}"
                                  f"){'' if config.tokenizer else '; name one with tokenizer'}")
             model_cfg = ModelConfig.from_pretrained(self.model_path)
-            store = os.path.join(config.compilation_cache_dir, "tokenizers") if config.compilation_cache_dir else None
-            self.tokenizer = load_engine_tokenizer(self.tokenizer_path, store)
+            self.tokenizer = load_engine_tokenizer(self.tokenizer_path, config.compilation_cache_dir)
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg

@@ -10,6 +10,7 @@ in Python (``clean_up_tokenization_spaces``) or without a Rust pipeline are not 
 transformers every time.
 """
 
+import concurrent.futures
 import hashlib
 import importlib.metadata
 import json
@@ -46,12 +47,35 @@ class StoredTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
-def load_engine_tokenizer(path: str, store_dir: str | None):
-    """The tokenizer the engine encodes and decodes with: the stored pipeline of ``path``'s tokenizer in
-    ``store_dir`` if there is one, else transformers' tokenizer (stored there for the next start)."""
-    if store_dir is None:
+class ServingTokenizer:
+    """The server's tokenizer when the engine's is stored: encode and decode through the stored pipeline, chat
+    templates through transformers' tokenizer, which loads on a thread from the start (the server's process is idle
+    while its engine process starts; the first chat request waits for what is left of the load)."""
+
+    def __init__(self, stored: StoredTokenizer, path: str):
+        self._stored = stored
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._transformers = loader.submit(load_tokenizer, path)
+        loader.shutdown(wait=False)
+        self.encode, self.decode, self.eos_token_id = stored.encode, stored.decode, stored.eos_token_id
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._transformers.result().apply_chat_template(*args, **kwargs)
+
+
+def load_serving_tokenizer(path: str, cache_dir: str | None):
+    """A ``ServingTokenizer`` over the stored pipeline of ``path``'s tokenizer, else transformers' tokenizer."""
+    tokenizer = load_engine_tokenizer(path, cache_dir)
+    return ServingTokenizer(tokenizer, path) if isinstance(tokenizer, StoredTokenizer) else tokenizer
+
+
+def load_engine_tokenizer(path: str, cache_dir: str | None):
+    """The tokenizer the engine encodes and decodes with: the stored pipeline of ``path``'s tokenizer under
+    ``cache_dir`` (the engine's ``compilation_cache_dir``; None: no store) if there is one, else transformers'
+    tokenizer (stored there for the next start)."""
+    if cache_dir is None:
         return load_tokenizer(path)
-    entry = pathlib.Path(store_dir).expanduser() / f"{_key(path)}.json"
+    entry = pathlib.Path(cache_dir).expanduser() / "tokenizers" / f"{_key(path)}.json"
     if entry.is_file():
         try:
             stored = json.loads(entry.read_text())
