@@ -231,8 +231,9 @@ DESCRIPTIONS = {
                          "reference on CPU), `mosaic`, `mosaic_decode` (Mosaic decode, XLA prefill), `triton`, "
                          "`reference`",
     "compilation_cache_dir": "where the compiled programs are kept (serialized executables, keyed by the code, "
-                             "jax, the device, the model and these settings): a warm start loads them without "
-                             "tracing or compiling; None = compile every start",
+                             "jax, the device, the model and these settings) and the tokenizer's Rust pipeline: a "
+                             "warm start loads them without tracing, compiling or importing transformers; None = "
+                             "compile every start",
     "compression": "Compressed PagedAttention on/off (off = full-KV mode)",
     "kv_budget_pages": "budget `M`: a request holds at most `M+1` pages after its first compression",
     "eviction_policy": "`zipage` (attention scores) or `window` (sinks + most recent tokens)",
