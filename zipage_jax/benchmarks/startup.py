@@ -78,6 +78,7 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, init_phases_s=dict(llm.engine.startup_s),
                 init_compiles=init_compiles, init_compile_s=init_compile_s,
+                tokenizer=type(llm.engine.tokenizer).__name__,  # StoredTokenizer: the warm path, no transformers
                 weights_s=weights_s, checkpoint_bytes=checkpoint_bytes,
                 weights_bytes_per_s=checkpoint_bytes / max(weights_s, 1e-9), raw_read_bytes_per_s=raw_bps,
                 ready_early=ready_early, background_programs=warmup.get("background", 0),
