@@ -271,3 +271,21 @@ def test_a_model_directory_without_a_tokenizer_is_a_value_error_at_once(tmp_path
         LLM(str(model), compilation_cache_dir=None)
     with pytest.raises(ValueError, match="^tokenizer: no tokenizer in"):
         LLM(f"{FIXTURES}/qwen3", tokenizer=str(model), compilation_cache_dir=None)
+
+
+def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_path):
+    """The tokenizer loads beside the pool, the weights and the warm-up; its end-of-sequence token joins the
+    engine's (and the runner's) only once it is there, and the first use waits for it."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(f"{FIXTURES}/qwen3", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    llm = LLM(str(model), page_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+              compilation_cache_dir=None)
+    engine = llm.engine
+    assert engine.eos_token_ids == (5,) and engine.runner.eos_token_ids == (5,)  # the config's alone, so far
+    assert engine.tokenizer.eos_token_id == 2
+    assert engine.eos_token_ids == (2, 5) and engine.runner.eos_token_ids == (2, 5)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 import zipage_jax
 from zipage_jax.engine.tokenizer_store import (ServingTokenizer, StoredTokenizer, load_engine_tokenizer,
-                                              load_serving_tokenizer)
+                                              load_serving_tokenizer, start_engine_tokenizer)
 from seeds import fresh_seed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -83,8 +83,9 @@ def test_a_tokenizer_whose_decode_transformers_cleans_up_is_never_stored(tmp_pat
 
 
 def test_a_warm_engine_starts_without_importing_transformers(tmp_path):
-    """The second start on one cache reads the config and the tokenizer without transformers (which imports
-    torch where installed: seconds); the user still gets transformers' tokenizer from ``get_tokenizer``."""
+    """No start imports transformers (which imports torch where installed: seconds): the first builds the
+    tokenizer's pipeline in a child process, the second reads it from the store; the user still gets transformers'
+    tokenizer from ``get_tokenizer``."""
     code = f"""
 import sys
 from zipage_jax import LLM
@@ -97,7 +98,7 @@ print(type(llm.get_tokenizer()).__name__, llm.get_tokenizer().encode("The sum of
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).parent.parent).stdout.splitlines() for _ in range(2)]
     (cold_type, cold_ids, cold_hf), (warm_type, warm_ids, warm_hf) = runs
-    assert warm_type == "StoredTokenizer False" and not cold_type.startswith("StoredTokenizer")
+    assert cold_type == warm_type == "StoredTokenizer False"  # cold, a child process built and stored it
     assert warm_ids == cold_ids and cold_hf == warm_hf and warm_hf.endswith(cold_ids.split("] ")[0] + "]")
 
 
@@ -131,3 +132,24 @@ def test_the_server_encodes_through_the_store_and_templates_through_transformers
         assert serving.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
     ids = hf.encode(text)
     assert serving.decode(ids) == hf.decode(ids) and serving.eos_token_id == hf.eos_token_id
+
+
+def test_a_cold_start_builds_the_pipeline_in_a_child_process(tmp_path):
+    """Without a stored pipeline a child process stores one (into a temporary directory without a cache) and this
+    process reads it without importing transformers; a tokenizer that cannot be stored, or one that fails to
+    load, comes from transformers here, with its error."""
+    tokenizer = start_engine_tokenizer(str(SHIPPED), str(tmp_path / "cache"))()
+    assert isinstance(tokenizer, StoredTokenizer) and list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert isinstance(start_engine_tokenizer(str(SHIPPED), None)(), StoredTokenizer)
+    hf = AutoTokenizer.from_pretrained(SHIPPED)
+    assert tokenizer.encode("What is 3 + 4?") == hf.encode("What is 3 + 4?")
+    changed = tmp_path / "changed"
+    shutil.copytree(SHIPPED, changed, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((changed / "tokenizer_config.json").read_text())
+    (changed / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    assert not isinstance(start_engine_tokenizer(str(changed), str(tmp_path / "cache"))(), StoredTokenizer)
+    (changed / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(Exception) as child_and_here:
+        start_engine_tokenizer(str(changed), str(tmp_path / "cache"))()
+    with pytest.raises(type(child_and_here.value)):
+        AutoTokenizer.from_pretrained(changed)

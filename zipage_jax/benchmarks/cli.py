@@ -86,7 +86,8 @@ def main(argv=None):
                   f"{r['all_compiled_s']:.1f}s")
         print("LLM() by phase: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in r["init_phases_s"].items())
               + f"; inside them {r['init_compiles']} compiles ({r['init_compile_s']:.2f}s summed: the pool's fill, the "
-                f"weights' conversions, some in parallel); tokenizer: {r['tokenizer']}")
+                f"weights' conversions, some in parallel); tokenizer: {r['tokenizer']}, waited for "
+                f"{r['tokenizer_wait_s']:.1f}s")
         print(r["memory_plan"])
         if args.json:
             with open(args.json, "a") as f:

@@ -50,6 +50,7 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     start = time.perf_counter()
     llm = LLM(model, **engine_options)
     init_s = time.perf_counter() - start
+    init_phases_s = dict(llm.engine.startup_s)
     init_compiles, init_compile_s = counter.count, counter.seconds
     counter.close()
     warmup = llm.warmup(use_tqdm=False, ready_early=ready_early)
@@ -76,9 +77,9 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     weights_s = llm.engine.startup_s["weights"]
     return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, init_phases_s=dict(llm.engine.startup_s),
+                memory_plan=llm.engine.memory_plan.describe(), init_s=init_s, init_phases_s=init_phases_s,
                 init_compiles=init_compiles, init_compile_s=init_compile_s,
-                tokenizer=type(llm.engine.tokenizer).__name__,  # StoredTokenizer: the warm path, no transformers
+                tokenizer=type(llm.engine.tokenizer).__name__, tokenizer_wait_s=llm.engine.tokenizer_wait_s,
                 weights_s=weights_s, checkpoint_bytes=checkpoint_bytes,
                 weights_bytes_per_s=checkpoint_bytes / max(weights_s, 1e-9), raw_read_bytes_per_s=raw_bps,
                 ready_early=ready_early, background_programs=warmup.get("background", 0),

@@ -26,7 +26,7 @@ from zipage_jax.core.stopping import check_stop
 from zipage_jax.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from zipage_jax.engine.metrics import MetricsHistory, StepRecord
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from zipage_jax.engine.tokenizer_store import StoredTokenizer, load_engine_tokenizer
+from zipage_jax.engine.tokenizer_store import StoredTokenizer, start_engine_tokenizer
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import hub, weights
 from zipage_jax.models.config import ModelConfig
@@ -70,8 +70,8 @@ class LLMEngine:
         local = pathlib.Path(config.model).expanduser()
         self.model_name = local.name if local.is_dir() else config.model  # the id the server offers (a Hub id whole)
         self.model_path = config.model  # where the files are (a Hub id's snapshot)
-        self.tokenizer = self.tokenizer_path = self._transformers_tokenizer = None
-        eos = set()
+        self.tokenizer_path = self._tokenizer = self._tokenizer_loading = self._transformers_tokenizer = None
+        self.tokenizer_wait_s = 0.0  # how long the start waited for the tokenizer (it loads beside the rest)
         if model_cfg is None and runner is None:
             self.model_path = hub.local_dir(config.model)
             self.tokenizer_path = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
@@ -79,12 +79,11 @@ class LLMEngine:
                 field = "tokenizer" if config.tokenizer else "model"
                 raise ValueError(f"{field}: no tokenizer in {self.tokenizer_path} (none of {', '.join(TOKENIZER_FILES)}"
                                  f"){'' if config.tokenizer else '; name one with tokenizer'}")
+            self._tokenizer_loading = start_engine_tokenizer(self.tokenizer_path, config.compilation_cache_dir)
             model_cfg = ModelConfig.from_pretrained(self.model_path)
-            self.tokenizer = load_engine_tokenizer(self.tokenizer_path, config.compilation_cache_dir)
-            if self.tokenizer.eos_token_id is not None:
-                eos.add(self.tokenizer.eos_token_id)
         self.model_cfg = model_cfg
-        self.startup_s["config_and_tokenizer"] = time.perf_counter() - mark
+        self.startup_s["config"] = time.perf_counter() - mark
+        eos = set()
         if model_cfg is not None:
             eos.update(model_cfg.eos_token_ids)
             limit = model_cfg.max_position_embeddings
@@ -112,6 +111,21 @@ class LLMEngine:
         self.history = MetricsHistory(config.metrics_interval_steps)
         self._step_observers: list = []
         self._limited = False  # whether the runner may still limit the steps (``warmup(ready_early=True)``)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer the engine encodes and decodes with (None where it serves token ids only). It loads
+        beside the rest of the start (``tokenizer_store.start_engine_tokenizer``); the first use waits for it and
+        adds its end-of-sequence token to the engine's."""
+        if self._tokenizer_loading is not None:
+            mark = time.perf_counter()
+            tokenizer = self._tokenizer_loading()
+            self.tokenizer_wait_s = time.perf_counter() - mark
+            if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
+                self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_token_id}))
+                self.runner.eos_token_ids = self.eos_token_ids
+            self._tokenizer, self._tokenizer_loading = tokenizer, None
+        return self._tokenizer
 
     def get_tokenizer(self):
         """transformers' tokenizer (chat templates and the rest of its API). The engine's own ``tokenizer`` may be
@@ -491,6 +505,7 @@ class LLMEngine:
                 progress(*args)
 
         report = self.runner.warmup(logged, stop, ready_early=ready_early)
+        self.tokenizer  # noqa: B018 (ready means ready for text too: waits for the tokenizer, if still loading)
         self._limited = ready_early and bool(report.get("background"))
         self.history.mark_steady(self)
         log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "

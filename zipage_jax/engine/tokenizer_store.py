@@ -11,12 +11,15 @@ transformers every time.
 """
 
 import concurrent.futures
+import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 from tokenizers import Tokenizer
@@ -75,19 +78,64 @@ def load_engine_tokenizer(path: str, cache_dir: str | None):
     tokenizer (stored there for the next start)."""
     if cache_dir is None:
         return load_tokenizer(path)
-    entry = pathlib.Path(cache_dir).expanduser() / "tokenizers" / f"{_key(path)}.json"
-    if entry.is_file():
+    return _read_entry(path, cache_dir) or _load_and_store(path, cache_dir)
+
+
+def start_engine_tokenizer(path: str, cache_dir: str | None):
+    """Start loading the engine's tokenizer; returns a function that gives it, waiting for what is left.
+
+    A stored pipeline loads at once. Otherwise transformers builds and stores it in a child process (into a
+    temporary directory without ``cache_dir``): its import is seconds of Python, torch's too where installed, that
+    would hold this process's GIL while the engine starts (a thread here made an H100 start slower). The function
+    then waits for the child and reads the stored pipeline, or, for a tokenizer that cannot be stored (or a child
+    that failed), loads transformers' tokenizer here, raising what it raises."""
+    stored = _read_entry(path, cache_dir) if cache_dir is not None else None
+    if stored is not None:
+        return lambda: stored
+    scratch = tempfile.TemporaryDirectory(prefix="zipage-tokenizer-") if cache_dir is None else None
+    root = cache_dir if scratch is None else scratch.name
+    package_root = str(pathlib.Path(__file__).resolve().parents[2])  # the child imports this module as we did
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen([sys.executable, "-m", __name__, str(path), str(root)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @functools.cache
+    def result():
+        child.wait()
         try:
-            stored = json.loads(entry.read_text())
-            return StoredTokenizer(stored["pipeline"], stored["eos_token_id"], str(path))
-        except Exception as error:  # noqa: BLE001 (a corrupt entry of any kind is rebuilt, never used)
-            log.warning("tokenizer store: %s does not load (%s); rebuilding it", entry, error)
-            entry.unlink(missing_ok=True)
+            return _read_entry(path, root) or load_tokenizer(path)
+        finally:
+            if scratch is not None:
+                scratch.cleanup()
+    return result
+
+
+def _read_entry(path, cache_dir) -> StoredTokenizer | None:
+    """The stored pipeline of ``path``'s tokenizer, or None (a corrupt entry is deleted: rebuilt, never used)."""
+    entry = _entry(path, cache_dir)
+    if not entry.is_file():
+        return None
+    try:
+        stored = json.loads(entry.read_text())
+        return StoredTokenizer(stored["pipeline"], stored["eos_token_id"], str(path))
+    except Exception as error:  # noqa: BLE001 (a corrupt entry of any kind)
+        log.warning("tokenizer store: %s does not load (%s); rebuilding it", entry, error)
+        entry.unlink(missing_ok=True)
+        return None
+
+
+def _load_and_store(path, cache_dir):
+    """transformers' tokenizer of ``path``, its pipeline stored under ``cache_dir`` where it can be."""
     tokenizer = load_tokenizer(path)
     pipeline = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(pipeline, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        _write(entry, dict(format=FORMAT, pipeline=pipeline.to_str(), eos_token_id=tokenizer.eos_token_id))
+        _write(_entry(path, cache_dir), dict(format=FORMAT, pipeline=pipeline.to_str(),
+                                             eos_token_id=tokenizer.eos_token_id))
     return tokenizer
+
+
+def _entry(path, cache_dir) -> pathlib.Path:
+    return pathlib.Path(cache_dir).expanduser() / "tokenizers" / f"{_key(path)}.json"
 
 
 def _key(path) -> str:
@@ -117,3 +165,7 @@ def _write(entry: pathlib.Path, content: dict):
         os.replace(f.name, entry)
     except OSError as error:
         log.warning("tokenizer store: cannot write %s (%s)", entry, error)
+
+
+if __name__ == "__main__":  # the child of ``start_engine_tokenizer``: PATH CACHE_DIR
+    _load_and_store(sys.argv[1], sys.argv[2])
