@@ -1,13 +1,14 @@
-"""The tokenizer of a warm start without importing transformers.
+"""The engine's tokenizer without importing transformers in the engine's process.
 
 transformers imports torch wherever torch is installed: 8.8 s of a 14 s warm start on an H100 host, for a tokenizer
 the engine only encodes prompts and decodes tokens with. What transformers builds from a checkpoint's files is a
 Rust ``tokenizers`` pipeline (transformers 5 may rebuild it from the model's tokenizer class, so the
-``tokenizer.json`` alone is not it); a first start stores that pipeline, serialized, with the end-of-sequence id,
-and later starts load it straight from the Rust library. Keyed by the tokenizer files' bytes and the transformers
-and tokenizers versions; an entry that fails to load is rebuilt. Tokenizers whose decode transformers post-processes
-in Python (``clean_up_tokenization_spaces``) or without a Rust pipeline are not stored: they load through
-transformers every time.
+``tokenizer.json`` alone is not it). That pipeline is stored, serialized, with the end-of-sequence id, keyed by the
+tokenizer's files and the transformers and tokenizers versions, and later starts load it straight from the Rust
+library; where none is stored yet a child process builds it while the engine starts (a thread would share the
+GIL with the start, which slowed it on an H100 host). An entry that fails to load is rebuilt. Tokenizers whose
+decode transformers post-processes in Python (``clean_up_tokenization_spaces``) or without a Rust pipeline are not
+stored: they load through transformers every time.
 """
 
 import concurrent.futures
