@@ -111,8 +111,8 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path,
     assert list(phases) == ["backend", "config", "plan_and_pool", "weights", "runner"]
     assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= report["init_s"]
     assert phases["weights"] == report["weights_s"]
-    # without a cache directory the tokenizer's pipeline is built in a child process into a temporary store
-    assert report["tokenizer"] == "StoredTokenizer" and report["tokenizer_wait_s"] >= 0
+    # no cache directory, so no stored pipeline: transformers' tokenizer, loaded at the end of the warm-up
+    assert report["tokenizer"] != "StoredTokenizer" and report["tokenizer_wait_s"] > 0
     # the pool's and the compression state's fills and the weights' conversions compile at every start (their
     # seconds are summed over the parallel weight loads, so they may exceed LLM()'s wall time)
     assert report["init_compiles"] >= 2 and report["init_compile_s"] > 0

@@ -85,29 +85,25 @@ def load_engine_tokenizer(path: str, cache_dir: str | None):
 def start_engine_tokenizer(path: str, cache_dir: str | None):
     """Start loading the engine's tokenizer; returns a function that gives it, waiting for what is left.
 
-    A stored pipeline loads at once. Otherwise transformers builds and stores it in a child process (into a
-    temporary directory without ``cache_dir``): its import is seconds of Python, torch's too where installed, that
-    would hold this process's GIL while the engine starts (a thread here made an H100 start slower). The function
-    then waits for the child and reads the stored pipeline, or, for a tokenizer that cannot be stored (or a child
-    that failed), loads transformers' tokenizer here, raising what it raises."""
-    stored = _read_entry(path, cache_dir) if cache_dir is not None else None
+    A stored pipeline loads at once. Otherwise transformers builds and stores it in a child process: its import is
+    seconds of Python, torch's too where installed, that would hold this process's GIL while the engine starts (a
+    thread here made an H100 start slower). The function then waits for the child and reads the stored pipeline,
+    or, for a tokenizer that cannot be stored (or a child that failed), loads transformers' tokenizer here, raising
+    what it raises. Without ``cache_dir`` nothing is kept: transformers' tokenizer loads here at the first call."""
+    if cache_dir is None:
+        return functools.cache(lambda: load_tokenizer(path))
+    stored = _read_entry(path, cache_dir)
     if stored is not None:
         return lambda: stored
-    scratch = tempfile.TemporaryDirectory(prefix="zipage-tokenizer-") if cache_dir is None else None
-    root = cache_dir if scratch is None else scratch.name
     package_root = str(pathlib.Path(__file__).resolve().parents[2])  # the child imports this module as we did
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    child = subprocess.Popen([sys.executable, "-m", __name__, str(path), str(root)], env=env,
+    child = subprocess.Popen([sys.executable, "-m", __name__, str(path), str(cache_dir)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     @functools.cache
     def result():
         child.wait()
-        try:
-            return _read_entry(path, root) or load_tokenizer(path)
-        finally:
-            if scratch is not None:
-                scratch.cleanup()
+        return _read_entry(path, cache_dir) or load_tokenizer(path)
     return result
 
 
