@@ -37,12 +37,11 @@ class StoredTokenizer:
     """``encode``, ``decode`` and ``eos_token_id`` as the transformers tokenizer it was stored from gives them;
     ``_tokenizer`` is the Rust pipeline, which the incremental detokenizer streams through."""
 
-    def __init__(self, pipeline: str, eos_token_id: int | None, name_or_path: str):
+    def __init__(self, pipeline: str, eos_token_id: int | None):
         self._tokenizer = Tokenizer.from_str(pipeline)
         self._tokenizer.no_truncation()  # as transformers' encode without truncation or padding sets them
         self._tokenizer.no_padding()
         self.eos_token_id = eos_token_id
-        self.name_or_path = name_or_path
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -57,7 +56,6 @@ class ServingTokenizer:
     while its engine process starts; the first chat request waits for what is left of the load)."""
 
     def __init__(self, stored: StoredTokenizer, path: str):
-        self._stored = stored
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._transformers = loader.submit(load_tokenizer, path)
         loader.shutdown(wait=False)
@@ -79,7 +77,8 @@ def load_engine_tokenizer(path: str, cache_dir: str | None):
     tokenizer (stored there for the next start)."""
     if cache_dir is None:
         return load_tokenizer(path)
-    return _read_entry(path, cache_dir) or _load_and_store(path, cache_dir)
+    entry = _entry(path, cache_dir)
+    return _read_entry(entry) or _load_and_store(path, entry)
 
 
 def start_engine_tokenizer(path: str, cache_dir: str | None):
@@ -92,42 +91,41 @@ def start_engine_tokenizer(path: str, cache_dir: str | None):
     what it raises. Without ``cache_dir`` nothing is kept: transformers' tokenizer loads here at the first call."""
     if cache_dir is None:
         return functools.cache(lambda: load_tokenizer(path))
-    stored = _read_entry(path, cache_dir)
+    entry = _entry(path, cache_dir)  # hashes the tokenizer's files: once
+    stored = _read_entry(entry)
     if stored is not None:
         return lambda: stored
     package_root = str(pathlib.Path(__file__).resolve().parents[2])  # the child imports this module as we did
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    child = subprocess.Popen([sys.executable, "-m", __name__, str(path), str(cache_dir)], env=env,
+    child = subprocess.Popen([sys.executable, "-m", __name__, str(path), str(entry)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     @functools.cache
     def result():
         child.wait()
-        return _read_entry(path, cache_dir) or load_tokenizer(path)
+        return _read_entry(entry) or load_tokenizer(path)
     return result
 
 
-def _read_entry(path, cache_dir) -> StoredTokenizer | None:
-    """The stored pipeline of ``path``'s tokenizer, or None (a corrupt entry is deleted: rebuilt, never used)."""
-    entry = _entry(path, cache_dir)
+def _read_entry(entry: pathlib.Path) -> StoredTokenizer | None:
+    """The pipeline stored in ``entry``, or None (a corrupt entry is deleted: rebuilt, never used)."""
     if not entry.is_file():
         return None
     try:
         stored = json.loads(entry.read_text())
-        return StoredTokenizer(stored["pipeline"], stored["eos_token_id"], str(path))
+        return StoredTokenizer(stored["pipeline"], stored["eos_token_id"])
     except Exception as error:  # noqa: BLE001 (a corrupt entry of any kind)
         log.warning("tokenizer store: %s does not load (%s); rebuilding it", entry, error)
         entry.unlink(missing_ok=True)
         return None
 
 
-def _load_and_store(path, cache_dir):
-    """transformers' tokenizer of ``path``, its pipeline stored under ``cache_dir`` where it can be."""
+def _load_and_store(path, entry: pathlib.Path):
+    """transformers' tokenizer of ``path``, its pipeline stored in ``entry`` where it can be."""
     tokenizer = load_tokenizer(path)
     pipeline = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(pipeline, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        _write(_entry(path, cache_dir), dict(format=FORMAT, pipeline=pipeline.to_str(),
-                                             eos_token_id=tokenizer.eos_token_id))
+        _write(entry, dict(format=FORMAT, pipeline=pipeline.to_str(), eos_token_id=tokenizer.eos_token_id))
     return tokenizer
 
 
@@ -164,5 +162,5 @@ def _write(entry: pathlib.Path, content: dict):
         log.warning("tokenizer store: cannot write %s (%s)", entry, error)
 
 
-if __name__ == "__main__":  # the child of ``start_engine_tokenizer``: PATH CACHE_DIR
-    _load_and_store(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # the child of ``start_engine_tokenizer``: PATH ENTRY
+    _load_and_store(sys.argv[1], pathlib.Path(sys.argv[2]))
