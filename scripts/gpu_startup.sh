@@ -4,7 +4,8 @@
 # same cache), compressed and full KV. With BEFORE=DIR (an older tree's zipage_jax + pallas_kernels, carried) that
 # tree's compressed runs come first, in the same call, for a before/after comparison. With EARLY=1 each mode also
 # starts cold with --ready-early (ready once a light load's programs are, the rest compiling in the background).
-#   OUT=/tmp/out [BEFORE=.before] [EARLY=1] bash scripts/gpu_startup.sh
+# With ONLY_EARLY=1 (and EARLY=1) the cold all-programs-first start is skipped and the warm start uses that cache.
+#   OUT=/tmp/out [BEFORE=.before] [EARLY=1 [ONLY_EARLY=1]] bash scripts/gpu_startup.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -26,6 +27,10 @@ if [ -n "${BEFORE:-}" ]; then
 fi
 for mode in ${MODES:-compressed full}; do
   [ -n "${EARLY:-}" ] && run "after-$mode-cold-early" . "$mode" "/tmp/cache-early-$mode" --ready-early
+  if [ -n "${ONLY_EARLY:-}" ]; then  # the warm start reuses the ready-early run's cache (complete when it ends)
+    run "after-$mode-warm" . "$mode" "/tmp/cache-early-$mode"
+    continue
+  fi
   run "after-$mode-cold" . "$mode" "/tmp/cache-after-$mode"
   run "after-$mode-warm" . "$mode" "/tmp/cache-after-$mode"
 done

@@ -289,3 +289,30 @@ def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_p
     assert engine.eos_token_ids == (5,) and engine.runner.eos_token_ids == (5,)  # the config's alone, so far
     assert engine.tokenizer.eos_token_id == 2
     assert engine.eos_token_ids == (2, 5) and engine.runner.eos_token_ids == (2, 5)
+
+
+def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike():
+    """``params`` as a function (random weights in the benchmarks) is called once the pool is placed, and its
+    weights serve exactly as the same weights handed over made."""
+    from zipage_jax.config import EngineConfig
+    from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.core.request import Request
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+    from zipage_jax.models import weights
+
+    seed = fresh_seed()
+    model_cfg = MODEL_SHAPES["tiny"]
+    prompt = np.random.default_rng(seed).integers(0, model_cfg.vocab_size, size=21).tolist()
+    config = EngineConfig.from_kwargs("random:tiny", page_size=16, max_model_len=64, max_num_seqs=2,
+                                      max_num_batched_tokens=64, num_gpu_pages_override=12,
+                                      attention_backend="reference", compilation_cache_dir=None)
+    make = lambda: weights.init_random_params(model_cfg, jax.random.key(seed), jnp.float32)  # noqa: E731
+    outputs = []
+    for params in (make(), make):
+        engine = LLMEngine(config, model_cfg, params)
+        request = Request("r", prompt, GREEDY, 0, seed=0)
+        engine.add(request)
+        while engine.has_unfinished_requests():
+            engine.step(only_finished=True)
+        outputs.append((request.output_token_ids, "plan_and_pool" in engine.startup_s))
+    assert outputs == [(outputs[0][0], False), (outputs[0][0], True)] and len(outputs[0][0]) == 12, f"seed {seed}"

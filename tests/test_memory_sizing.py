@@ -322,9 +322,18 @@ def test_the_plan_counts_the_weights_from_the_engines_arrays_so_every_start_plan
                                  allocator=OURS)
     assert moved.budget_bytes == plans[0].budget_bytes - 61_000_000  # reading bytes_in_use: the pool moves with it
     with caplog.at_level("WARNING", logger="zipage_jax.worker.device_memory"):
-        kv_cache.plan_memory(config(), CFG, jnp.float32, 256, device=FakeDevice(H100, weights + 2**30 + 1),
-                             allocator=OURS, weights_bytes=weights)
-    assert "headroom" in caplog.text
+        held = [kv_cache.plan_memory(config(), CFG, jnp.float32, 256, device=FakeDevice(H100, weights + extra),
+                                     allocator=OURS, weights_bytes=weights)
+                for extra in (int(12.9 * 2**30), int(12.3 * 2**30))]
+    # 12.9 GiB held beside the weights (a benchmark's second copy): the plan leaves 13 GiB out instead of placing a
+    # pool that cannot fit, in whole GiB so that starts holding a little more or less plan alike
+    assert "plan leaves 13 GiB out" in caplog.text
+    assert {(p.num_pages, p.held_bytes) for p in held} == {(held[0].num_pages, 13 * 2**30)}
+    assert held[0].budget_bytes == plans[0].budget_bytes - 13 * 2**30
+    h = held[0]
+    assert h.pool_bytes + h.query_cache_bytes + h.scratch_bytes + h.weights_bytes + h.held_bytes + h.headroom_bytes \
+        == h.share_bytes
+    assert "other arrays 13.00 GiB" in held[0].describe() and plans[0].held_bytes == 0
 
 
 def test_the_pools_are_two_buffers_and_a_pool_the_allocator_did_not_grow_by_is_warned_about(caplog):

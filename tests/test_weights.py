@@ -16,6 +16,7 @@ from zipage_jax.models.params import param_shapes
 from zipage_jax.parallel import make_mesh
 from zipage_jax.models.weights import shard_params
 from zipage_jax.models.weights import init_random_params, load_hf_weights, load_sharded, restore_params, save_params
+from zipage_jax.models.weights import init_random_serving_params, to_serving
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -150,6 +151,24 @@ def test_random_init_is_deterministic_by_key():
     assert abs(float(jnp.std(a.layers.up_proj)) - 0.02) < 0.002
     logits = forward_dense(a, cfg, jnp.zeros((1, 4), jnp.int32) + 5)
     assert np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_random_serving_weights_have_the_serving_layout_and_draw_per_layer(shards):
+    """What an engine makes after placing its pool: the tree, shapes and dtypes of ``to_serving`` of the stacked
+    random weights, deterministic by key, with numbers of their own in every layer and field."""
+    cfg = ModelConfig.from_pretrained(FIXTURES / "qwen3_untied")
+    a = init_random_serving_params(cfg, jax.random.key(3), jnp.float32, shards)
+    want = to_serving(init_random_params(cfg, jax.random.key(3), jnp.float32), shards)
+    assert jax.tree.structure(a) == jax.tree.structure(want) and a.shards == shards
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(a)] == [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
+    again = init_random_serving_params(cfg, jax.random.key(3), jnp.float32, shards)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(again)))
+    other = init_random_serving_params(cfg, jax.random.key(4), jnp.float32, shards)
+    assert not np.array_equal(a.layers[0].qkv_proj, other.layers[0].qkv_proj)
+    assert not np.array_equal(a.layers[0].down_proj, a.layers[1].down_proj)
+    assert abs(float(jnp.mean(a.layers[1].post_norm)) - 1.0) < 0.01
+    assert abs(float(jnp.std(a.layers[0].gate_up_proj)) - 0.02) < 0.002
 
 
 LOADERS = {"whole": load_hf_weights,

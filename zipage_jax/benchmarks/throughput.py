@@ -46,6 +46,7 @@ utilization after its share of the weights, the same on every card.
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -517,7 +518,10 @@ def main(args) -> dict:
 
     from zipage_jax.engine.llm_engine import LLMEngine
     from zipage_jax.models import weights
+    from zipage_jax.worker import device_memory
 
+    with device_memory.start_backend(base.gpu_memory_utilization):  # the engines' share, before jax starts
+        jax.devices()
     dtype = jnp.dtype(model_cfg.dtype)
     if base.kv_cache_memory_bytes is None and base.num_gpu_pages_override is None \
             and "gpu_memory_utilization" not in vars(args):  # no pool size given: see CARD_BYTES
@@ -531,12 +535,14 @@ def main(args) -> dict:
                             time_budget_s=args.time_budget, concurrency=concurrency)
 
     def make_engine(mode):
-        """A fresh engine; random weights are made again (same seed) so only the engine's copy stays on the device."""
+        """A fresh engine; random weights are made again (same seed) by the engine once its pool is placed, so
+        that only its copy is on the device and the pool meets an allocator they did not fragment."""
         config = dataclasses.replace(base, model=model_dir, compression=mode.startswith("compressed"),
                                      admission=mode.partition("-")[2] or "reserved")
         params = None
         if not args.model:
-            params = weights.init_random_params(model_cfg, jax.random.key(base.seed), dtype)
+            params = functools.partial(weights.init_random_serving_params, model_cfg, jax.random.key(base.seed),
+                                       dtype, base.tensor_parallel_size)
         return LLMEngine(config, params=params)
 
     for i, mode in enumerate(args.modes):

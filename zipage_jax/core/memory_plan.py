@@ -20,6 +20,7 @@ class MemoryPlan:
     share_bytes: int | None  # what the engine may fill: gpu_memory_utilization of the card, within the allocator
     weights_bytes: int | None  # allocated when the plan was made: the weights
     headroom_bytes: int | None  # what the plan leaves free in the share: room for what the scratch estimates miss
+    held_bytes: int | None  # in use beside the weights by others when the plan was made, left out of the pool
     reserved_step_scratch_bytes: int
     reserved_compression_scratch_bytes: int
     reserved_swap_bytes: int
@@ -55,6 +56,8 @@ class MemoryPlan:
             memory = (f"card {gib(self.card_bytes)}, engine share {gib(self.share_bytes)}: weights "
                       f"{gib(self.weights_bytes)}, {pool} from {self.budget_source}, scratch "
                       f"{gib(self.scratch_bytes)}, headroom {gib(self.headroom_bytes)}")
+            if self.held_bytes:
+                memory += f", other arrays {gib(self.held_bytes)}"
         compressed = f"{self.max_compressed_concurrency} compressed, " if self.num_query_rows else ""
         return (f"{memory}; max concurrency {self.max_concurrency} ({compressed}{self.full_length_concurrency} at "
                 f"full length {self.max_model_len})")

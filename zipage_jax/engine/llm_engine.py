@@ -55,7 +55,9 @@ class LLMEngine:
 
         ``model_cfg`` and ``params``: serve these weights instead (``Params``, or ``ServingParams`` already in the
         serving layout), without a tokenizer (token-id prompts, no text), as the benchmarks do with random
-        weights of real model shapes. ``scheduler`` and ``runner``: step
+        weights of real model shapes. ``params`` may be a function of no arguments that makes them: it is called
+        once the KV pool is placed, which then meets an allocator that no freed weights fragmented (a pool's
+        second 25 GiB block failed to find room on an 80 GB H100 after a conversion's freed buffers). ``scheduler`` and ``runner``: step
         these instead of building them, as the scheduler's property tests do with a fake device; the config then
         supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
@@ -152,7 +154,7 @@ class LLMEngine:
 
         state = None
         start = time.perf_counter()
-        if params is None:
+        if params is None or callable(params):
             # The pool first, while the allocator is empty: its two largest blocks then cannot meet memory that
             # the weight load fragmented (an 80 GB H100 failed to place the second 25.7 GiB pool after it).
             self.memory_plan = plan(weights.device_bytes(model_cfg, self.dtype, self.mesh, device))
@@ -161,7 +163,10 @@ class LLMEngine:
             jax.block_until_ready(state)
             self.startup_s["plan_and_pool"] = time.perf_counter() - start
             start = time.perf_counter()
-            self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)  # into the shards
+            if params is None:
+                self.params = weights.load_sharded(self.model_path, model_cfg, self.dtype, self.mesh)  # the shards
+            else:
+                self.params = weights.shard_params(params(), self.mesh)
         else:
             self.params = weights.shard_params(params, self.mesh)
         jax.block_until_ready(self.params)

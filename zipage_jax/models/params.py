@@ -242,13 +242,14 @@ def unfuse_columns(fused: jax.Array, sizes: tuple[int, ...], shards: int) -> lis
 def to_serving(params: Params, shards: int = 1) -> ServingParams:
     """The engine's layout of `params`: per-layer buffers, fused q/k/v and gate/up (columns grouped by shard)."""
     num_layers = params.layers.input_norm.shape[0]
-    return ServingParams(embed=params.embed, layers=tuple(_serving_layer(params.layers, i, shards)
+    return ServingParams(embed=params.embed, layers=tuple(serving_layer(params.layers, i, shards)
                                                           for i in range(num_layers)),
                          final_norm=params.final_norm, lm_head=params.lm_head, shards=shards)
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
+def serving_layer(stacked: LayerParams, i, shards: int) -> ServingLayer:
+    """Layer ``i`` of ``stacked`` in the serving layout."""
     layer = jax.tree.map(lambda x: x[i], stacked)
     fields = {}
     for field, parts in SERVING_LAYER_PARTS.items():

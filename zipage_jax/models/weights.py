@@ -37,6 +37,7 @@ from zipage_jax.models.params import (
     param_shapes,
     param_shardings,
     params_from_flat,
+    serving_layer,
     to_serving,
 )
 
@@ -293,6 +294,30 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std
             flat[name] = _random_field(jax.random.fold_in(key, i), shapes[name], jnp.dtype(dtype), std,
                                        weight.init == "ones")
     return params_from_flat(flat)
+
+
+def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, shards: int = 1,
+                               std: float = 0.02) -> ServingParams:
+    """Deterministic random weights made straight in the serving layout, layer by layer (values of their own, not
+    ``init_random_params``'s): the device holds the weights and one layer's noise at most, never a stacked copy
+    beside the serving one, so an engine can make them after placing a pool sized for one copy."""
+    shapes, dtype = param_shapes(cfg), jnp.dtype(dtype)
+    top = {name: _random_field(jax.random.fold_in(key, i), shapes[name], dtype, std, WEIGHTS[name].init == "ones")
+           for i, name in enumerate(WEIGHTS) if shapes[name] is not None and not name.startswith("layers.")}
+    layers = tuple(_random_serving_layer(cfg, jax.random.fold_in(key, len(WEIGHTS) + i), dtype, shards, std)
+                   for i in range(cfg.num_layers))
+    return ServingParams(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"),
+                         shards=shards)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _random_serving_layer(cfg: ModelConfig, key, dtype, shards: int, std: float) -> ServingLayer:
+    shapes = param_shapes(cfg)
+    one = {name: _random_field(jax.random.fold_in(key, i), (1,) + shapes[name][1:], dtype, std,
+                               WEIGHTS[name].init == "ones")
+           for i, name in enumerate(WEIGHTS) if shapes[name] is not None and name.startswith("layers.")}
+    stacked = params_from_flat({"embed": None, "final_norm": None, **one}).layers
+    return serving_layer(stacked, 0, shards)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

@@ -12,6 +12,7 @@ already runs (a notebook that used jax first); ``read`` then says how much of th
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 
 import jax
@@ -41,6 +42,7 @@ class DeviceMemory:
     card_bytes: int  # the card's memory: the allocator's limit over its fraction
     limit_bytes: int  # what the allocator may hold
     in_use_bytes: int  # allocated now (the weights, when the plan reads it)
+    held_bytes: int  # held beside the weights by others (a notebook's arrays, a second copy), left out of the plan
     share_bytes: int  # what the engine may fill: gpu_memory_utilization of the card, within the allocator's limit
     allocator: Allocator
 
@@ -103,18 +105,22 @@ def read(device, utilization: float, allocator: Allocator | None = None,
     is logged, a smaller one that the engine could not set (the backend started first) is warned about.
     ``weights_bytes``: what the engine's weights take on this device, counted from its arrays; the plan then
     reads it instead of the allocator's ``bytes_in_use``, which moves by tens of MB from one start to the next, so
-    the pool, and with it every program's shapes (the executable store's keys), is the same at every start.
+    the pool, and with it every program's shapes (the executable store's keys), is the same at every start. What
+    else is in use beyond half the headroom (arrays a notebook or a benchmark holds) is ``held_bytes``, counted in
+    whole GiB for the same reason: the plan leaves it out rather than place a pool that cannot fit.
     """
     stats = device.memory_stats()
     if not stats or not stats.get("bytes_limit"):
         return None
     allocator = allocator or current()
     limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    held = 0
     if weights_bytes is not None:
         if in_use > weights_bytes + HEADROOM_BYTES // 2:
-            log.warning("%.2f GiB are in use on %s beside the engine's %.2f GiB of weights: they come out of the "
-                        "%.1f GiB headroom", (in_use - weights_bytes) / 2**30, device, weights_bytes / 2**30,
-                        HEADROOM_BYTES / 2**30)
+            held = math.ceil((in_use - weights_bytes) / 2**30) * 2**30
+            log.warning("%.2f GiB are in use on %s beside the engine's %.2f GiB of weights: the plan leaves %d GiB "
+                        "out of the engine's share", (in_use - weights_bytes) / 2**30, device, weights_bytes / 2**30,
+                        held // 2**30)
         in_use = weights_bytes
     card = int(round(limit / allocator.fraction))
     if utilization > allocator.fraction + 1e-6:
@@ -127,8 +133,8 @@ def read(device, utilization: float, allocator: Allocator | None = None,
             log.warning(message + "; jax sets its allocator up once, when its backend starts: create the engine "
                         "before anything else uses jax, or set %s", *args, FRACTION_VARIABLES[0])
     share = limit if utilization >= allocator.fraction else int(utilization * card)
-    return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, share_bytes=share,
-                        allocator=allocator)
+    return DeviceMemory(card_bytes=card, limit_bytes=limit, in_use_bytes=in_use, held_bytes=held,
+                        share_bytes=share, allocator=allocator)
 
 
 def check_allocated(device, in_use_before: int | None, expected_bytes: int, what: str) -> int | None:

@@ -116,7 +116,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     elif memory is None:
         budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
     else:
-        budget = memory.share_bytes - memory.in_use_bytes - device_memory.HEADROOM_BYTES
+        budget = memory.share_bytes - memory.in_use_bytes - memory.held_bytes - device_memory.HEADROOM_BYTES
         source, reserved = "gpu_memory_utilization", scratch
     cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
@@ -139,12 +139,13 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
                          f"{pages_per_seq + 1} pages" + (" and a query row" if row_bytes else "")
                          + f" (lower max_model_len or raise {field})")
     if memory is not None and source in ("kv_cache_memory_bytes", "num_gpu_pages_override"):
-        room = memory.limit_bytes - memory.in_use_bytes - scratch - device_memory.HEADROOM_BYTES
+        room = (memory.limit_bytes - memory.in_use_bytes - memory.held_bytes - scratch
+                - device_memory.HEADROOM_BYTES)
         if pool > room:
             raise ValueError(
                 f"{source}: a KV pool of {_gib(pool)} does not fit: jax's allocator holds {_gib(memory.limit_bytes)} "
                 f"of the {_gib(memory.card_bytes)} card ({memory.allocator.source}), the weights take "
-                f"{_gib(memory.in_use_bytes)}, the step scratch {_gib(scratch)} and the headroom "
+                f"{_gib(memory.in_use_bytes)}{_held_text(memory)}, the step scratch {_gib(scratch)} and the headroom "
                 f"{_gib(device_memory.HEADROOM_BYTES)}, which leaves {_gib(max(0, room))} (lower {source}, or let "
                 f"the engine hold more of the card: gpu_memory_utilization)")
     compressed = min(rows, (num_pages - 1) // (M + 1)) if config.compression else 0
@@ -158,7 +159,8 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
         max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
         card_bytes=memory and memory.card_bytes, share_bytes=memory and memory.share_bytes,
         weights_bytes=memory and memory.in_use_bytes,
-        headroom_bytes=memory and memory.share_bytes - memory.in_use_bytes - pool - scratch,
+        headroom_bytes=memory and memory.share_bytes - memory.in_use_bytes - memory.held_bytes - pool - scratch,
+        held_bytes=memory and memory.held_bytes,
         reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,
         step_scratch_bytes=step, compression_scratch_bytes=comp, swap_bytes=swap,
@@ -174,6 +176,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _held_text(memory) -> str:
+    return f", other arrays on the device {_gib(memory.held_bytes)}" if memory.held_bytes else ""
+
+
 def _budget_text(memory, budget, reserved: int) -> str:
     """How a budget came about, for an error message."""
     if budget is None:
@@ -181,7 +187,7 @@ def _budget_text(memory, budget, reserved: int) -> str:
     if not reserved:
         return f"a budget of {budget} bytes"
     return (f"the engine's share of the {_gib(memory.card_bytes)} card, {_gib(memory.share_bytes)}, less the "
-            f"weights ({_gib(memory.in_use_bytes)}), the headroom ({_gib(device_memory.HEADROOM_BYTES)}) and the "
+            f"weights ({_gib(memory.in_use_bytes)}){_held_text(memory)}, the headroom ({_gib(device_memory.HEADROOM_BYTES)}) and the "
             f"step scratch ({_gib(reserved)}),")
 
 
