@@ -205,3 +205,46 @@ def test_long_reasoning_sets_the_papers_budget_unless_the_command_line_does():
     assert (config.page_size, config.kv_budget_pages) == (128, 4)
     with pytest.raises(ValueError, match="concurrency"):
         throughput.main(parser.parse_args(["--workload", "long-reasoning", "--concurrency", "0"]))
+
+
+def test_aged_start_enters_the_loop_mid_trace():
+    """The first `count` requests are those a long-running loop's slots hold: drawn in proportion to their length
+    (so their mean length is E[L^2] / E[L], not E[L]), each at an age uniform over it, its generated part in its
+    prompt; every request keeps its prompt + output length, and the rest of the workload follows unchanged."""
+    base = throughput.make_workload("long-reasoning", 4096, 2048, 256, 1000, 32768, seed=0)
+    count = 384
+    aged = throughput.aged_start(base, count, 1000, seed=0)
+    assert len(aged.prompts) == len(base.prompts) and "aged start" in aged.description
+    originals = {tuple(p): (i, o) for i, (p, o) in enumerate(zip(base.prompts, base.max_tokens))}
+    sizes = sorted({len(p) for p in base.prompts})
+    picked, fractions = [], []
+    for prompt, output in zip(aged.prompts[:count], aged.max_tokens[:count]):
+        i, total = next(originals[tuple(prompt[:n])] for n in sizes if tuple(prompt[:n]) in originals)
+        age = len(prompt) - len(base.prompts[i])
+        assert output == total - age >= 1
+        picked.append(i)
+        fractions.append(age / total)
+    assert len(set(picked)) == count  # no request twice
+    lengths = np.array(base.max_tokens, float)
+    biased = (lengths ** 2).sum() / lengths.sum()
+    assert abs(np.mean([base.max_tokens[i] for i in picked]) / biased - 1) < 0.08 and biased > 1.3 * lengths.mean()
+    assert abs(np.mean(fractions) - 0.5) < 0.05 and min(fractions) < 0.05 and max(fractions) > 0.95
+    rest = [i for i in range(len(base.prompts)) if i not in set(picked)]
+    assert aged.prompts[count:] == [base.prompts[i] for i in rest[:len(base.prompts) - count]]
+    with pytest.raises(ValueError, match="concurrency"):
+        throughput.aged_start(base, 0, 1000)
+    with pytest.raises(ValueError, match="aged_start"):
+        bench.main(["throughput", "--small", "--aged-start", "--workload", "reasoning"])
+
+
+def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
+    report, _ = bench.main(["throughput", "--small", "--workload", "long-reasoning", "--aged-start",
+                            "--compilation-cache-dir", programs])
+    assert "aged start" in report["workload"]["description"]
+    for r in report["results"]:
+        history, w = r["history"], r["steady"]
+        busy = next(i for i, h in enumerate(history) if h["num_prefilling"])
+        done = next(h for h in history[busy:] if h["num_prefilling"] == 0)
+        assert r["aged_start"] and r["prefilled_s"] == done["time_s"] == w["start_s"] > history[busy]["time_s"]
+        assert r["complete"] and r["generated_tokens"] == report["workload"]["output_tokens_total"]
+    assert "after the initial prefill" in throughput.format_report(report)

@@ -29,7 +29,9 @@ steady window (``steady_window``) starts once the engine has generated one budge
 pool's worth of tokens if less (the admission ramp and the first wave's first compressions; full KV: its pool has
 filled once), and ends when the loop stops adding (the workload ran out: the tail, where requests drain, is left
 out) or generation stops. Full KV is still filling toward its own steady state then (its requests' contexts keep
-growing for as long as they live): the window flatters it. ``--time-budget`` fits one command, start-ups included,
+growing for as long as they live): the window flatters it. ``--aged-start`` enters the loop at its steady state
+instead (``aged_start``: the first ``--concurrency`` requests caught mid-trace, their generated part prefilled) and
+starts the window when that prefill is over. ``--time-budget`` fits one command, start-ups included,
 into a device limit: each mode gets an equal share of the seconds left when it starts. ``--small
 --workload long-reasoning`` runs it scaled down on CPU (page 16, M=2, 6 requests, concurrency 3).
 
@@ -143,6 +145,30 @@ def make_workload(name: str, num_requests: int, budget_tokens: int, page_size: i
     return Workload(name, prompts, fit(prompts, outputs), text)
 
 
+def aged_start(workload: Workload, count: int, vocab: int, seed: int = 0) -> Workload:
+    """The workload entered at a closed loop's steady state: its first ``count`` requests are replaced by requests
+    caught mid-trace, as the ``count`` slots of a loop that has run for a long time hold them. A slot holds a
+    request with probability proportional to its length (a long request holds its slot longer), at an age uniform
+    over its length; what it has generated so far joins its prompt (its K/V is prefilled, as after a recompute)
+    and its output is the rest. Full KV then starts with its pool full of long contexts, where a loop started
+    with ``count`` fresh requests grows them together for a request lifetime (minutes) before it settles; the rest
+    of the workload follows fresh. Every request keeps its prompt + output length."""
+    if not 1 <= count <= len(workload.prompts):
+        raise ValueError(f"concurrency: an aged start needs 1 to {len(workload.prompts)} requests (got {count})")
+    rng = np.random.default_rng(seed + 1)
+    lengths = np.array(workload.max_tokens, float)
+    picks = rng.choice(len(lengths), size=count, replace=False, p=lengths / lengths.sum())
+    ages = [int(rng.integers(0, workload.max_tokens[j])) for j in picks]  # at least one token left to generate
+    prompts = [workload.prompts[j] + rng.integers(0, vocab, size=age).tolist() for j, age in zip(picks, ages)]
+    outputs = [workload.max_tokens[j] - age for j, age in zip(picks, ages)]
+    taken = set(picks.tolist())
+    rest = [i for i in range(len(workload.prompts)) if i not in taken]
+    return Workload(workload.name, prompts + [workload.prompts[i] for i in rest],
+                    outputs + [workload.max_tokens[i] for i in rest],
+                    f"{workload.description}; the first {count} entered mid-trace (aged start: length-biased, "
+                    f"uniform ages)")
+
+
 # -- the engine under test ---------------------------------------------------------------------------------------
 def random_model_dir(shape: str, directory: str) -> str:
     """An HF config of a ``bench.MODEL_SHAPES`` entry plus the shipped tokenizer: what ``LLMEngine`` reads besides
@@ -172,13 +198,16 @@ def param_bytes(params, model_cfg, dtype) -> tuple[int, int]:
     return total, total if model_cfg.tie_word_embeddings else total - embed
 
 
-def steady_window(samples, skip_tokens: int, end_s: float | None = None) -> dict | None:
+def steady_window(samples, skip_tokens: int, end_s: float | None = None,
+                  start_s: float | None = None) -> dict | None:
     """The steady part of a run, from its samples ``[(time_s, generated tokens)]`` in time order: from the first
     sample with at least ``skip_tokens`` generated (past the admission ramp and, with one KV budget per concurrent
-    request, the first wave's first compressions) to the last sample at or before ``end_s`` (when the closed loop
-    stopped adding: the tail, where requests drain, is left out; None: the last sample). Returns
-    ``dict(start_s, end_s, tokens, tokens_per_s)``, or None when the window holds no time."""
-    start = next((i for i, (_, generated) in enumerate(samples) if generated >= skip_tokens), None)
+    request, the first wave's first compressions), or the first at or after ``start_s`` when given, to the last
+    sample at or before ``end_s`` (when the closed loop stopped adding: the tail, where requests drain, is left
+    out; None: the last sample). Returns ``dict(start_s, end_s, tokens, tokens_per_s)``, or None when the window
+    holds no time."""
+    start = next((i for i, (t, generated) in enumerate(samples)
+                  if (t >= start_s if start_s is not None else generated >= skip_tokens)), None)
     end = max((i for i, (t, _) in enumerate(samples) if end_s is None or t <= end_s), default=None)
     if start is None or end is None or samples[end][0] <= samples[start][0]:
         return None
@@ -188,7 +217,7 @@ def steady_window(samples, skip_tokens: int, end_s: float | None = None) -> dict
 
 def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
              sample_interval_s: float = 1.0, progress=print, concurrency: int | None = None,
-             deadline: float | None = None, budget_tokens: int = 0) -> dict:
+             deadline: float | None = None, budget_tokens: int = 0, aged: bool = False) -> dict:
     """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``.
 
     ``concurrency`` None: every request is added at once. Otherwise a closed loop: ``concurrency`` requests are
@@ -197,7 +226,9 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     mode's share of the command's time budget, start-up included), whichever comes first. The steady window
     (``steady_window``) of a closed loop starts once the engine has generated one KV budget (``budget_tokens``) per
     concurrent request or, if less, a pool's worth of tokens (full KV: its pool has filled once; compressed: every
-    resident request is past its first compression), and ends where the loop stopped adding."""
+    resident request is past its first compression), and ends where the loop stopped adding. ``aged``: the
+    workload starts mid-trace (``aged_start``); the window then starts at the first sample where no running
+    request has prompt left to prefill, after one had: the initial prefill of the long contexts is over."""
     from zipage_jax.worker import kv_cache
 
     t0 = time.perf_counter()
@@ -258,6 +289,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         if now - last_sample >= sample_interval_s:
             last_sample = now
             held = [len(r.page_ids) for r in scheduler.running]
+            prefilling = sum(r.num_computed_tokens < len(r.prompt_token_ids) for r in scheduler.running)
             samples.append(dict(
                 time_s=now, generated=generated(), num_running=running, num_waiting=len(scheduler.waiting),
                 num_in_flight=len(requests) - finished,
@@ -265,14 +297,22 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                 page_occupancy=bm.num_used_pages / pages, query_rows_used=scheduler.num_query_rows
                 - len(scheduler.free_query_rows), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
-                num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds))
+                num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds,
+                num_prefilling=prefilling))
         if time.perf_counter() >= stop:
             break
     engine.drain(only_finished=True)  # the steps in flight when generation stopped
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
-    steady = concurrency and steady_window([(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s)
+    prefilled_s = None  # aged: when the initial prefill of the long contexts was over
+    if aged:
+        busy = next((i for i, h in enumerate(samples) if h.get("num_prefilling")), None)
+        prefilled_s = next((h["time_s"] for h in samples[busy:] if h.get("num_prefilling") == 0), None) \
+            if busy is not None else None
+        skip_tokens = 0
+    steady = concurrency and (not aged or prefilled_s is not None) and steady_window(
+        [(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s, prefilled_s)
     if steady:
         inside = [h for h in samples if steady["start_s"] <= h["time_s"] <= steady["end_s"]]
         steady.update(skip_tokens=skip_tokens,
@@ -290,7 +330,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         compiles_after_warmup=engine.compile_counter.count - compiles, compile_s_after_warmup=compile_after,
         generation_s=wall, complete=not engine.has_unfinished_requests() and not queue,
         requests_added=len(requests), requests_finished=finished, concurrency=concurrency,
-        steady_skip_tokens=skip_tokens if concurrency else None,
+        steady_skip_tokens=skip_tokens if concurrency else None, aged_start=aged, prefilled_s=prefilled_s,
         closed_loop_end_s=loop_end_s if concurrency else None, steady=steady or None,
         steady_tokens_per_s=steady["tokens_per_s"] if steady else None,
         generated_tokens=tokens, steps=steps, decode_steps=decode_steps,
@@ -334,9 +374,12 @@ def format_steady(r: dict) -> str:
     w = r.get("steady")
     head = f"{r['mode']}: closed loop of {r['concurrency']}, {r['requests_added']} requests added, " \
            f"{r['requests_finished']} finished, pool {r['kv_pages']} pages"
+    aged = r.get("aged_start")
     if not w:
-        return head + f"; no steady window (fewer than {r.get('steady_skip_tokens')} tokens before it ended)"
-    return (head + f"; steady window {w['start_s']:.1f}-{w['end_s']:.1f} s (after {w['skip_tokens']} tokens): "
+        why = "the initial prefill did not end" if aged else f"fewer than {r.get('steady_skip_tokens')} tokens"
+        return head + f"; no steady window ({why} before it ended)"
+    after = "the initial prefill" if aged else f"{w['skip_tokens']} tokens"
+    return (head + f"; steady window {w['start_s']:.1f}-{w['end_s']:.1f} s (after {after}): "
             f"{w['tokens_per_s']:.1f} tok/s, running {w['running_mean']:.1f}, pages per running request "
             f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}")
 
@@ -450,6 +493,10 @@ def add_arguments(parser):
     parser.add_argument("--concurrency", type=int,
                         help="closed loop: keep this many requests in the engine, adding the workload's next one "
                              "whenever one finishes (default: all at once; long-reasoning: --max-num-seqs)")
+    parser.add_argument("--aged-start", action="store_true",
+                        help="closed loop: enter it at its steady state, the first --concurrency requests caught "
+                             "mid-trace (their generated part prefilled); the window starts when that prefill is "
+                             "over (full KV otherwise needs a request lifetime, minutes, to settle)")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
     parser.add_argument("--time-budget", type=float,
                         help="seconds for the whole command, start-ups included: each mode gets an equal share of "
@@ -498,6 +545,10 @@ def main(args) -> dict:
     workload = make_workload(args.workload, requests, budget, base.page_size, model_cfg.vocab_size,
                              base.max_model_len, base.seed)
     concurrency = args.concurrency or (base.max_num_seqs if args.workload in CLOSED_LOOP_REQUESTS else None)
+    if args.aged_start:
+        if concurrency is None:
+            raise ValueError("aged_start: needs a closed loop (--concurrency)")
+        workload = aged_start(workload, concurrency, model_cfg.vocab_size, base.seed)
     tmp = tempfile.mkdtemp(prefix="zipage_throughput_")
     report = dict(benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   workload=workload.summary(), config=None, results=[], peer=None, ratios={})
@@ -552,7 +603,7 @@ def main(args) -> dict:
         report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
                                           args.sample_interval_s, progress=lambda line: print(line, flush=True),
                                           concurrency=concurrency, deadline=deadline,
-                                          budget_tokens=budget))
+                                          budget_tokens=budget, aged=args.aged_start))
         gc.collect()  # the engine's pool goes before the next mode allocates its own
         write()
     print(format_report(report))
