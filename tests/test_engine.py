@@ -291,9 +291,9 @@ def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_p
     assert engine.eos_token_ids == (2, 5) and engine.runner.eos_token_ids == (2, 5)
 
 
-def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike():
+def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike(tmp_path):
     """``params`` as a function (random weights in the benchmarks) is called once the pool is placed, and its
-    weights serve exactly as the same weights handed over made."""
+    weights serve exactly as the same weights handed over made (the second engine loads the first's programs)."""
     from zipage_jax.config import EngineConfig
     from zipage_jax.engine.llm_engine import LLMEngine
     from zipage_jax.core.request import Request
@@ -305,7 +305,7 @@ def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike():
     prompt = np.random.default_rng(seed).integers(0, model_cfg.vocab_size, size=21).tolist()
     config = EngineConfig.from_kwargs("random:tiny", page_size=16, max_model_len=64, max_num_seqs=2,
                                       max_num_batched_tokens=64, num_gpu_pages_override=12,
-                                      attention_backend="reference", compilation_cache_dir=None)
+                                      attention_backend="reference", compilation_cache_dir=str(tmp_path))
     make = lambda: weights.init_random_params(model_cfg, jax.random.key(seed), jnp.float32)  # noqa: E731
     outputs = []
     for params in (make(), make):
