@@ -57,6 +57,14 @@ def test_small_run_reports_both_modes_in_the_documented_format(small_report, cap
     full, compressed = report["results"]
     budget = 2  # M of --small: a compressed request holds at most M+1 pages after its first compression
     assert full["num_compressions"] == 0 and compressed["num_compressions"] > 0
+    # every compressed request went through one dispatch of its shape, each within its row bucket
+    dispatches = compressed["compression_dispatches"]
+    assert full["compression_dispatches"] == [] and sum(d["requests"] for d in dispatches) == \
+        compressed["num_compressions"]
+    assert all(d["dispatches"] <= d["requests"] <= d["dispatches"] * d["rows"] and d["seconds"] > 0
+               for d in dispatches)
+    assert {d["budget"] for d in dispatches} == {budget} and min(d["width"] for d in dispatches) == budget + 1
+    assert compressed["mode"] + ": compression dispatches " in throughput.format_report(report)
     assert compressed["num_preemptions"] == 0 and full["num_preemptions"] > 0  # the small pool forces recomputes
     assert max(h["pages_per_running_max"] for h in compressed["history"]) <= max(
         budget + 1, -(-workload["prompt_tokens_max"] // 16) + 1)

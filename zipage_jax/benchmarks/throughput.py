@@ -341,6 +341,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         mean_page_occupancy=occupancy_sum / max(steps, 1), peak_page_occupancy=peak_occupancy,
         num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps, stalled_request_steps=stalled,
         num_compressions=metrics["num_compressions"],
+        compression_dispatches=engine.runner.compression_profile(),
         compression_time_share_steady=metrics["steady_compression_time_share"],
         compression_time_share_since_start=metrics["compression_time_share"],
         hbm_roofline_fraction=bytes_read / steady_wall / (HBM_PEAK_BYTES_PER_S * engine.config.tensor_parallel_size),
@@ -384,12 +385,22 @@ def format_steady(r: dict) -> str:
             f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}")
 
 
+def format_compressions(r: dict) -> str:
+    """One line on a mode's compression dispatches by shape: how many, how full, and what one costs."""
+    parts = []
+    for d in r["compression_dispatches"]:
+        cost = f" at {d['seconds'] * 1e3:.2f} ms" if d["seconds"] is not None else ""
+        parts.append(f"{d['rows']} rows x {d['width']} pages: {d['dispatches']} ({d['requests']} requests){cost}")
+    return f"{r['mode']}: compression dispatches " + "; ".join(parts)
+
+
 def format_report(report: dict) -> str:
     lines = [f"throughput benchmark, workload {report['workload']['name']}: {report['workload']['description']}",
              f"{report['workload']['requests']} requests, outputs mean {report['workload']['output_tokens_mean']:.0f} "
              f"(p99 {report['workload']['output_tokens_p99']:.0f}) tokens; {report['config']}", HEADER]
     lines += [format_row(r) for r in report["results"]]
     lines += [format_steady(r) for r in report["results"] if r.get("concurrency")]
+    lines += [format_compressions(r) for r in report["results"] if r.get("compression_dispatches")]
     ratios = report.get("ratios", {})
     lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]
     peer = report.get("peer")

@@ -260,6 +260,7 @@ class ModelRunner:
         self.last_decode_key = None  # program key of the last decode step (``programs.compiled``: its HLO)
         self._last_decode = None  # its host inputs, requests and rows (``replay_last_decode``)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
+        self._compression_dispatches: dict = {}  # shape -> [dispatches, requests compressed]
         self._pending_buckets: list[WarmupBucket] | None = None  # while a ready-early warm-up compiles (``limits``)
         self.replicated = parallel.replicated(mesh)  # where each step's packed integers go
         self.decode_sizes = bucket_sizes(min(8, config.max_num_seqs), config.max_num_seqs)
@@ -493,6 +494,8 @@ class ModelRunner:
         """Compression device time for the metrics: measured around each dispatch when the host waits anyway
         (synchronous mode); otherwise measured on the first two dispatches of a shape and reused."""
         key = (budget, width, rows)
+        counts = self._compression_dispatches.setdefault(key, [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + len(group)
         seen = self._compression_times.get(key, [])
         measure = wait or len(seen) < 2
         if measure:
@@ -507,6 +510,14 @@ class ModelRunner:
             self.compression_seconds += elapsed
         else:
             self.compression_seconds += min(seen)
+
+    def compression_profile(self) -> list[dict]:
+        """Per dispatch shape (budget M, padded width, row bucket): dispatches, requests compressed and the
+        fastest measured seconds of one, to tell a dispatch's fixed cost from its per-row cost."""
+        return [dict(budget=b, width=w, rows=r, dispatches=n, requests=k,
+                     seconds=min(self._compression_times[b, w, r], default=None)
+                     if (b, w, r) in self._compression_times else None)
+                for (b, w, r), (n, k) in sorted(self._compression_dispatches.items())]
 
     def _compression_batch(self, group, budget: int, rows: int, width: int) -> CompressionBatch:
         src = np.zeros((rows, width), np.int32)
