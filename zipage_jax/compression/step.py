@@ -4,6 +4,8 @@ The caches ride in a ``fori_loop`` carry and each layer is addressed by index, s
 compaction is in place and the scratch is one layer's worth (see ``compress``).
 """
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -90,8 +92,26 @@ def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_
     return per_layer.transpose(1, 0, 2, 3)
 
 
+def _compress_layer(layer, caches, query_cache, batch, cfg, sm_scale, backend):
+    """Score, select and compact one layer of every row of ``batch``: the caches after it."""
+    k_pool, v_pool, score_cache = caches
+    keep = batch.dst_tables.shape[1] * k_pool.shape[3]
+    scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
+    kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
+    k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
+                                           batch.valid)
+    if cfg.tracks_history:
+        kept_history = jnp.take_along_axis(history, kept, axis=2)
+        score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
+    return k_pool, v_pool, score_cache
+
+
+# one layer traced and lowered once, called per layer of an unrolled compression (XLA inlines the calls)
+_traced_layer = jax.jit(_compress_layer, static_argnames=("cfg", "sm_scale", "backend"))
+
+
 def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
-             backend):
+             backend, unroll: bool = False):
     """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
 
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
@@ -108,19 +128,18 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     lightning kernel reads the pool pages: ``pallas_kernels.redundancy``); then the
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
+
+    ``unroll``: the layers one after another in the program (one traced layer, called per layer) instead of a
+    device loop, whose every iteration the GPU ends by reading its predicate back: a dispatch of a few rows is
+    dominated by such fixed costs (an A/B row of ``bench compression``).
     """
     _check(k_pool, score_cache, query_cache, batch, cfg)
-    keep = batch.dst_tables.shape[1] * k_pool.shape[3]
-
-    def layer_step(layer, caches):
-        k_pool, v_pool, score_cache = caches
-        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
-        kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
-        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
-                                               batch.valid)
-        if cfg.tracks_history:
-            kept_history = jnp.take_along_axis(history, kept, axis=2)
-            score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
-        return k_pool, v_pool, score_cache
-
-    return jax.lax.fori_loop(0, k_pool.shape[0], layer_step, (k_pool, v_pool, score_cache))
+    caches = (k_pool, v_pool, score_cache)
+    if unroll:
+        for layer in range(k_pool.shape[0]):
+            caches = _traced_layer(jnp.int32(layer), caches, query_cache, batch, cfg=cfg, sm_scale=sm_scale,
+                                   backend=backend)
+        return caches
+    step = functools.partial(_compress_layer, query_cache=query_cache, batch=batch, cfg=cfg, sm_scale=sm_scale,
+                             backend=backend)
+    return jax.lax.fori_loop(0, k_pool.shape[0], step, caches)
