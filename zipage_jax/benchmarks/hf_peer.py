@@ -4,7 +4,9 @@
 
 Run by ``throughput_bench.run_peer`` in a subprocess, before the JAX process takes the device's memory. SPEC holds
 the model (a checkpoint directory, or a ``bench.MODEL_SHAPES`` name for random bf16 weights made on the device),
-the prompts (token ids) and each request's output length. Every request streams, so the tokens of requests still
+the prompts (token ids) and each request's output length (optionally ``device``, ``cuda`` unless it says otherwise,
+``num_blocks`` and ``max_batch_tokens``, the pages of HF's cache and its tokens a step, sized from the device's
+free memory unless given). Every request streams, so the tokens of requests still
 running when the window of ``duration`` seconds closes are counted. OUT is written as soon as the window closes.
 """
 
@@ -18,8 +20,9 @@ def build_model(spec):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    device = spec.get("device", "cuda")
     if spec["model"]:
-        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to("cuda")
+        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to(device)
     from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 
     s = MODEL_SHAPES[spec["model_shape"]]
@@ -30,7 +33,7 @@ def build_model(spec):
                          max_position_embeddings=s.max_position_embeddings, eos_token_id=None)
     torch.manual_seed(spec["seed"])
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(device):
         return Qwen3ForCausalLM(config)
 
 
@@ -51,9 +54,10 @@ def run(spec) -> dict:
 
         fields = inspect.signature(ContinuousBatchingConfig).parameters
         page = "page_size" if "page_size" in fields else "block_size"  # renamed in 5.17
-        wanted = {page: spec["page_size"], "max_requests_per_batch": spec["max_batch"]}
+        wanted = {page: spec["page_size"], "max_requests_per_batch": spec["max_batch"],  # unset: from free memory
+                  "num_blocks": spec.get("num_blocks"), "max_batch_tokens": spec.get("max_batch_tokens")}
         options["continuous_batching_config"] = ContinuousBatchingConfig(
-            **{k: v for k, v in wanted.items() if k in fields})
+            **{k: v for k, v in wanted.items() if k in fields and v is not None})
     counts, finished = {}, 0
     with model.continuous_batching_context_manager(**options) as manager:
         ready_s = time.perf_counter() - start  # model + manager + CUDA-graph warm-up
@@ -77,7 +81,8 @@ def run(spec) -> dict:
         wall = time.perf_counter() - t0
         tokens = sum(counts.values())
         return dict(name="hf", transformers_version=transformers.__version__, torch_version=torch.__version__,
-                    attn_implementation=model.config._attn_implementation, device=torch.cuda.get_device_name(),
+                    attn_implementation=model.config._attn_implementation,
+                    device=torch.cuda.get_device_name() if model.device.type == "cuda" else str(model.device),
                     init_s=init_s, startup_s=ready_s, generation_s=wall, generated_tokens=tokens,
                     requests=len(spec["prompts"]), requests_finished=finished, tokens_per_s=tokens / wall,
                     tokens_per_s_incl_startup=tokens / (ready_s + wall), history=samples)
