@@ -215,6 +215,21 @@ def steady_window(samples, skip_tokens: int, end_s: float | None = None,
     return dict(start_s=t0, end_s=t1, tokens=g1 - g0, tokens_per_s=(g1 - g0) / (t1 - t0))
 
 
+def prefill_over_s(samples, end_s: float | None = None, share: float = 0.8) -> float | None:
+    """When an aged start's initial prefill is over, from the samples (``num_prefilling``, ``num_running``): the
+    first sample, after one with a request mid-prefill, at which none is and the engine runs at least ``share`` of
+    its typical concurrency (the median running count over the second half of the samples up to ``end_s``). A
+    pause in the prefill while admission waits for pages (compressed mode prefills the long contexts a few at a
+    time, each compressed before the next fits) is not the end of the ramp. None: it never ended."""
+    loop = [h for h in samples if end_s is None or h["time_s"] <= end_s]
+    busy = next((i for i, h in enumerate(loop) if h["num_prefilling"]), None)
+    if busy is None:
+        return None
+    typical = float(np.median([h["num_running"] for h in loop[len(loop) // 2:]]))
+    return next((h["time_s"] for h in loop[busy:]
+                 if h["num_prefilling"] == 0 and h["num_running"] >= share * typical), None)
+
+
 def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
              sample_interval_s: float = 1.0, progress=print, concurrency: int | None = None,
              deadline: float | None = None, budget_tokens: int = 0, aged: bool = False) -> dict:
@@ -227,8 +242,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     (``steady_window``) of a closed loop starts once the engine has generated one KV budget (``budget_tokens``) per
     concurrent request or, if less, a pool's worth of tokens (full KV: its pool has filled once; compressed: every
     resident request is past its first compression), and ends where the loop stopped adding. ``aged``: the
-    workload starts mid-trace (``aged_start``); the window then starts at the first sample where no running
-    request has prompt left to prefill, after one had: the initial prefill of the long contexts is over."""
+    workload starts mid-trace (``aged_start``); the window then starts when the initial prefill of the long
+    contexts is over (``prefill_over_s``)."""
     from zipage_jax.worker import kv_cache
 
     t0 = time.perf_counter()
@@ -305,11 +320,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
-    prefilled_s = None  # aged: when the initial prefill of the long contexts was over
+    prefilled_s = prefill_over_s(samples, loop_end_s) if aged else None
     if aged:
-        busy = next((i for i, h in enumerate(samples) if h.get("num_prefilling")), None)
-        prefilled_s = next((h["time_s"] for h in samples[busy:] if h.get("num_prefilling") == 0), None) \
-            if busy is not None else None
         skip_tokens = 0
     steady = concurrency and (not aged or prefilled_s is not None) and steady_window(
         [(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s, prefilled_s)
