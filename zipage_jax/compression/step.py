@@ -1,7 +1,8 @@
 """One compression of a batch of requests over all layers: score, select, compact (docs/ARCHITECTURE.md, Compression).
 
-The caches ride in a ``fori_loop`` carry and each layer is addressed by index, so under donation the
-compaction is in place and the scratch is one layer's worth (see ``compress``).
+The caches ride in a ``fori_loop`` carry (or through one traced layer called per layer: ``unroll``) and each
+layer is addressed by index, so under donation the compaction is in place and the scratch is one layer's worth
+(see ``compress``).
 """
 
 import functools

@@ -57,9 +57,11 @@ class LLMEngine:
         serving layout), without a tokenizer (token-id prompts, no text), as the benchmarks do with random
         weights of real model shapes. ``params`` may be a function of no arguments that makes them: it is called
         once the KV pool is placed, which then meets an allocator that no freed weights fragmented (a pool's
-        second 25 GiB block failed to find room on an 80 GB H100 after a conversion's freed buffers). ``scheduler`` and ``runner``: step
-        these instead of building them, as the scheduler's property tests do with a fake device; the config then
-        supplies only the loop's own fields (``max_model_len``, ``seed``, ``metrics_interval_steps``).
+        second 25 GiB block found no room on an 80 GB H100 among a conversion's freed buffers).
+
+        ``scheduler`` and ``runner``: step these instead of building them, as the scheduler's property tests do
+        with a fake device; the config then supplies only the loop's own fields (``max_model_len``, ``seed``,
+        ``metrics_interval_steps``).
         """
         self.config = config
         # where LLM(...)'s seconds go, phase by phase (``bench startup`` prints them)

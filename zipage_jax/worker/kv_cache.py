@@ -187,8 +187,8 @@ def _budget_text(memory, budget, reserved: int) -> str:
     if not reserved:
         return f"a budget of {budget} bytes"
     return (f"the engine's share of the {_gib(memory.card_bytes)} card, {_gib(memory.share_bytes)}, less the "
-            f"weights ({_gib(memory.in_use_bytes)}){_held_text(memory)}, the headroom ({_gib(device_memory.HEADROOM_BYTES)}) and the "
-            f"step scratch ({_gib(reserved)}),")
+            f"weights ({_gib(memory.in_use_bytes)}){_held_text(memory)}, the headroom "
+            f"({_gib(device_memory.HEADROOM_BYTES)}) and the step scratch ({_gib(reserved)}),")
 
 
 def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_sharding=None):
