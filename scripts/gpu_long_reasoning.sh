@@ -3,8 +3,9 @@
 #   OUT=/tmp/out bash scripts/gpu_long_reasoning.sh
 # The paper's regime (bench throughput --workload long-reasoning): KV budget M=8 pages of 256 = 2048 tokens, short
 # prompts with a shared system prefix, outputs log-normal with ~6.4 budgets on average up to 32k tokens, a closed
-# loop of SEQS requests in the engine (each finished one replaced by the next; default 384 = --max-num-seqs: on an
-# H200 the pool holds 322 compressed requests, which max_num_seqs 256 would cap, see scripts/concurrency_ceiling.py),
+# loop of SEQS requests in the engine (each finished one replaced by the next; SEQS = --max-num-seqs, default 384 on
+# an H200, whose pool holds 322 compressed requests (max_num_seqs 256 would cap them: scripts/concurrency_ceiling.py),
+# 192 on an 80 GB card, whose pool holds ~159),
 # random bf16 weights of Qwen3-8B's shapes, the KV pool of the whole card (--gpu-memory-utilization 0.9), full KV
 # then compressed in one process. AGED=1 (the default) enters the loop at its steady state (--aged-start: the first
 # SEQS requests caught mid-trace, their generated part prefilled, 8192 prompt tokens a step to prefill it sooner)
@@ -15,6 +16,11 @@
 # long_reasoning.log (everything printed; its tail is echoed here).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# the loop a little above compressed mode's capacity (pool / (M+1): ~322 on an H200, ~159 on an 80 GB card), so that
+# few aged requests wait (their prefill inside the window weighs on the mode that finishes more requests)
+memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+SEQS=${SEQS:-$([ "${memory_mib:-0}" -gt 100000 ] && echo 384 || echo 192)}
+echo "card memory ${memory_mib} MiB: a closed loop of $SEQS"
 aged=()
 [ "${AGED:-1}" = 1 ] && aged=(--aged-start --max-num-batched-tokens 8192)
 timeout 590 python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b "${aged[@]}" \
