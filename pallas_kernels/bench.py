@@ -160,7 +160,7 @@ def bench_decode(args):
                     and row.get("ragged_empty_rows_zero", True)
 
             rows.append(record(row, measure, args.verbose))
-        del impls, q, k_pool, v_pool, tables, state, ragged_state
+        impls = q = k_pool = v_pool = tables = state = ragged_state = None  # this case's arrays go before the next
     return rows
 
 
@@ -290,7 +290,7 @@ def bench_prefill(args):
             profiled = packed(functools.partial(ragged_prefill, profile_dir=path))
             record(dict(kernel="prefill", impl="mosaic_profile", case=spec, trace_dir=path),
                    lambda row: jax.block_until_ready(profiled(q, state)), args.verbose)
-        del q, q_pad, k_pool, v_pool, tables, state, ref
+        q = q_pad = k_pool = v_pool = tables = state = ref = None  # this case's arrays go before the next
     return rows
 
 

@@ -286,7 +286,7 @@ def bench_compression(args):
                     row[f"ratio_{name}"] = ms / row["ms"]
 
         rows.append(record(dict(shape_row, part="decode_step", impl="forward_paged"), measure_decode, args.verbose))
-        del case, plan
+        case = plan = None  # this batch's pools go before the next batch's
     return rows
 
 
