@@ -320,10 +320,10 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
-    prefilled_s = prefill_over_s(samples, loop_end_s) if aged else None
+    prefilled_s = None  # aged: the window starts when the initial prefill is over, not after skip_tokens
     if aged:
-        skip_tokens = 0
-    steady = concurrency and (not aged or prefilled_s is not None) and steady_window(
+        skip_tokens, prefilled_s = 0, prefill_over_s(samples, loop_end_s)
+    steady = concurrency and not (aged and prefilled_s is None) and steady_window(
         [(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s, prefilled_s)
     if steady:
         inside = [h for h in samples if steady["start_s"] <= h["time_s"] <= steady["end_s"]]

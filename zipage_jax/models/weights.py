@@ -288,12 +288,8 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std
     """Deterministic random Params (each weight's initializer: normal(std), norm scales 1 + normal(std)),
     generated on the device weight by weight."""
     shapes, present = param_shapes(cfg), model_weights(cfg)
-    flat = {}
-    for i, (name, weight) in enumerate(WEIGHTS.items()):
-        if name in present:
-            flat[name] = _random_field(jax.random.fold_in(key, i), shapes[name], jnp.dtype(dtype), std,
-                                       weight.init == "ones")
-    return params_from_flat(flat)
+    return params_from_flat({name: _random_weight(key, name, shapes[name], jnp.dtype(dtype), std)
+                             for name in WEIGHTS if name in present})
 
 
 def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, shards: int = 1,
@@ -302,8 +298,8 @@ def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloa
     ``init_random_params``'s): the device holds the weights and one layer's noise at most, never a stacked copy
     beside the serving one, so an engine can make them after placing a pool sized for one copy."""
     shapes, dtype = param_shapes(cfg), jnp.dtype(dtype)
-    top = {name: _random_field(jax.random.fold_in(key, i), shapes[name], dtype, std, WEIGHTS[name].init == "ones")
-           for i, name in enumerate(WEIGHTS) if shapes[name] is not None and not name.startswith("layers.")}
+    top = {name: _random_weight(key, name, shapes[name], dtype, std)
+           for name in WEIGHTS if shapes[name] is not None and not name.startswith("layers.")}
     layers = tuple(_random_serving_layer(cfg, jax.random.fold_in(key, len(WEIGHTS) + i), dtype, shards, std)
                    for i in range(cfg.num_layers))
     return ServingParams(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"),
@@ -313,11 +309,16 @@ def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloa
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
 def _random_serving_layer(cfg: ModelConfig, key, dtype, shards: int, std: float) -> ServingLayer:
     shapes = param_shapes(cfg)
-    one = {name: _random_field(jax.random.fold_in(key, i), (1,) + shapes[name][1:], dtype, std,
-                               WEIGHTS[name].init == "ones")
-           for i, name in enumerate(WEIGHTS) if shapes[name] is not None and name.startswith("layers.")}
+    one = {name: _random_weight(key, name, (1,) + shapes[name][1:], dtype, std)
+           for name in WEIGHTS if shapes[name] is not None and name.startswith("layers.")}
     stacked = params_from_flat({"embed": None, "final_norm": None, **one}).layers
     return serving_layer(stacked, 0, shards)
+
+
+def _random_weight(key, name: str, shape, dtype, std: float):
+    """Weight ``name``'s random values: its own stream of ``key`` (by declaration order), its initializer."""
+    return _random_field(jax.random.fold_in(key, list(WEIGHTS).index(name)), shape, dtype, std,
+                         WEIGHTS[name].init == "ones")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

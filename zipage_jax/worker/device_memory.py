@@ -46,6 +46,11 @@ class DeviceMemory:
     share_bytes: int  # what the engine may fill: gpu_memory_utilization of the card, within the allocator's limit
     allocator: Allocator
 
+    @property
+    def taken_bytes(self) -> int:
+        """What the pool cannot have: the weights and what others hold beside them."""
+        return self.in_use_bytes + self.held_bytes
+
 
 _started: Allocator | None = None  # how this process's backend started, once an engine started it
 

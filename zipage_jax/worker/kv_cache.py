@@ -116,7 +116,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     elif memory is None:
         budget, source = CPU_DEFAULT_KV_BYTES, "cpu_default"
     else:
-        budget = memory.share_bytes - memory.in_use_bytes - memory.held_bytes - device_memory.HEADROOM_BYTES
+        budget = memory.share_bytes - memory.taken_bytes - device_memory.HEADROOM_BYTES
         source, reserved = "gpu_memory_utilization", scratch
     cap = config.max_num_seqs * pages_per_seq + 1
     if budget is None:
@@ -139,8 +139,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
                          f"{pages_per_seq + 1} pages" + (" and a query row" if row_bytes else "")
                          + f" (lower max_model_len or raise {field})")
     if memory is not None and source in ("kv_cache_memory_bytes", "num_gpu_pages_override"):
-        room = (memory.limit_bytes - memory.in_use_bytes - memory.held_bytes - scratch
-                - device_memory.HEADROOM_BYTES)
+        room = memory.limit_bytes - memory.taken_bytes - scratch - device_memory.HEADROOM_BYTES
         if pool > room:
             raise ValueError(
                 f"{source}: a KV pool of {_gib(pool)} does not fit: jax's allocator holds {_gib(memory.limit_bytes)} "
@@ -159,7 +158,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
         max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
         card_bytes=memory and memory.card_bytes, share_bytes=memory and memory.share_bytes,
         weights_bytes=memory and memory.in_use_bytes,
-        headroom_bytes=memory and memory.share_bytes - memory.in_use_bytes - memory.held_bytes - pool - scratch,
+        headroom_bytes=memory and memory.share_bytes - memory.taken_bytes - pool - scratch,
         held_bytes=memory and memory.held_bytes,
         reserved_step_scratch_bytes=step if reserved else 0,
         reserved_compression_scratch_bytes=comp if reserved else 0, reserved_swap_bytes=swap if reserved else 0,

@@ -515,8 +515,7 @@ class ModelRunner:
         """Per dispatch shape (budget M, padded width, row bucket): dispatches, requests compressed and the
         fastest measured seconds of one, to tell a dispatch's fixed cost from its per-row cost."""
         return [dict(budget=b, width=w, rows=r, dispatches=n, requests=k,
-                     seconds=min(self._compression_times[b, w, r], default=None)
-                     if (b, w, r) in self._compression_times else None)
+                     seconds=min(self._compression_times.get((b, w, r), []), default=None))
                 for (b, w, r), (n, k) in sorted(self._compression_dispatches.items())]
 
     def _compression_batch(self, group, budget: int, rows: int, width: int) -> CompressionBatch:
