@@ -325,29 +325,6 @@ def test_compress_end_to_end(cfg, group):
             np.testing.assert_allclose(attn[b], want, rtol=1e-4, atol=1e-5)
 
 
-def test_an_unrolled_compression_equals_the_layer_loop_and_traces_one_layer(monkeypatch):
-    """``compress(unroll=True)`` runs the layers one after another in the program: the same pools and score cache
-    as the device loop, bit for bit, with the layer traced once however many layers there are."""
-    from zipage_jax.compression import step
-
-    rng = seeded_rng()
-    cfg = ScoringConfig(window=WINDOW, sink_tokens=1, redundancy="lightning")
-    k_pool, v_pool, score_cache, query_cache, batch = make_problem(rng, hkv=2, group=2, rows=3, padding=1)
-    traced = []
-    layer_scores = step._layer_scores
-    monkeypatch.setattr(step, "_layer_scores", lambda *a, **kw: traced.append(1) or layer_scores(*a, **kw))
-    outputs = []
-    for unroll in (False, True):
-        run = jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE, backend=REFERENCE, unroll=unroll))
-        traced.clear()
-        outputs.append([np.asarray(x) for x in run(jnp.asarray(k_pool), jnp.asarray(v_pool),
-                                                     jnp.asarray(score_cache), jnp.asarray(query_cache),
-                                                     device_batch(batch))])
-        assert len(traced) == 1 and LAYERS > 1
-    assert all(np.array_equal(a, b) for a, b in zip(*outputs))
-    assert not np.array_equal(outputs[0][0], k_pool)  # it compressed something
-
-
 @pytest.mark.parametrize("group", [4, 1])
 def test_consecutive_compressions_carry_the_kept_history(group):
     """Rounds of compress → fresh page of K/V and queries → compress, tracked independently in numpy."""

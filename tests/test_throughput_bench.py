@@ -12,6 +12,7 @@ from zipage_jax import bench
 from zipage_jax.config import EngineConfig
 from zipage_jax.benchmarks import throughput
 from zipage_jax.benchmarks import throughput as throughput_bench
+from zipage_jax.benchmarks.model_shapes import hbm_peak_bytes_per_s
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +191,28 @@ def test_long_reasoning_small_run_is_a_closed_loop_with_a_steady_window(long_rea
         assert w["tokens"] == last["generated"] - first["generated"] > 0
         assert w["tokens_per_s"] == pytest.approx(w["tokens"] / (w["end_s"] - w["start_s"]))
         assert r["steady_tokens_per_s"] == w["tokens_per_s"] and 1 <= w["running_mean"] <= 3
+        span = last["time_s"] - first["time_s"]  # the window's shares come from its own samples, not the run's
+        assert w["compression_time_share"] == pytest.approx(
+            (last["compression_seconds"] - first["compression_seconds"]) / span)
+        assert w["hbm_roofline_fraction"] == pytest.approx(
+            (last["bytes_read"] - first["bytes_read"]) / span / hbm_peak_bytes_per_s("cpu"))
+        assert 0 < last["bytes_read"] - first["bytes_read"] < history[-1]["bytes_read"]
     full, compressed = report["results"]
     assert full["num_compressions"] == 0 and compressed["num_compressions"] > 0
+    assert full["steady"]["compression_time_share"] == 0 < compressed["steady"]["compression_time_share"] < 1
     budget_pages = 2  # M=2: a compressed request holds at most M+1 pages
     assert compressed["steady"]["pages_per_running_mean"] <= budget_pages + 1
     assert max(h["pages_per_running_max"] for h in full["history"]) > budget_pages + 1
     text = throughput.format_report(report)
     assert "compressed: closed loop of 3" in text and "steady window" in text
     assert "compressed / full (steady window)" in report["ratios"]
+
+
+def test_roofline_reads_each_card_against_its_own_peak():
+    assert hbm_peak_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert hbm_peak_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
+    assert hbm_peak_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert hbm_peak_bytes_per_s("cpu") == 4.8e12  # a small case on a CPU reads against an H200
 
 
 def test_long_reasoning_sets_the_papers_budget_unless_the_command_line_does():

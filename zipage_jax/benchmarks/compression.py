@@ -125,10 +125,8 @@ def bench_compression(args):
     kernel_backend = interpreted_kernels() if args.interpret else resolve_backend("mosaic")
     interpret = plgpu.InterpretGPUParams() if args.interpret else False
     cfg = ScoringConfig(window=window)
-    variants = {"kernel": (kernel_backend, cfg, False), "jnp": (REFERENCE, cfg, False),
-                "kernel_no_redundancy": (kernel_backend, dataclasses.replace(cfg, redundancy="off"), False)}
-    if not args.interpret:  # the layers without a device loop: a GPU timing (equal to the loop: a unit test)
-        variants["kernel_unrolled"] = (kernel_backend, cfg, True)
+    variants = {"kernel": (kernel_backend, cfg), "jnp": (REFERENCE, cfg),
+                "kernel_no_redundancy": (kernel_backend, dataclasses.replace(cfg, redundancy="off"))}
     rows, params = [], None
     base = dict(kernel="compression", model_shape=args.comp_model_shape, budget=budget, page=page_size,
                 window=window, q_heads=hq, kv_heads=hkv, head_dim=head_dim, layers=num_layers)
@@ -247,10 +245,10 @@ def bench_compression(args):
             rows.append(record(dict(shape_row, part="compaction_one_layer", impl=name), measure, args.verbose))
 
         step_ms = {}
-        for name, (backend, scoring_cfg, unroll) in variants.items():
-            def measure(row, backend=backend, scoring_cfg=scoring_cfg, name=name, unroll=unroll):
-                step = jax.jit(functools.partial(compress, cfg=scoring_cfg, sm_scale=scale, backend=backend,
-                                                 unroll=unroll), donate_argnums=(0, 1, 2))
+        for name, (backend, scoring_cfg) in variants.items():
+            def measure(row, backend=backend, scoring_cfg=scoring_cfg, name=name):
+                step = jax.jit(functools.partial(compress, cfg=scoring_cfg, sm_scale=scale, backend=backend),
+                               donate_argnums=(0, 1, 2))
                 state = (case["k_pool"], case["v_pool"], case["score_cache"])
                 compiled = step.lower(*state, case["query_cache"], plan).compile()
                 row["temp_bytes"] = temp_bytes(compiled)

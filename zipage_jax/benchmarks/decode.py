@@ -30,8 +30,8 @@ import numpy as np
 
 from zipage_jax.benchmarks.hlo import collectives, pool_copies
 from zipage_jax.benchmarks.model_shapes import (
-    HBM_PEAK_BYTES_PER_S,
     MODEL_SHAPES,
+    hbm_peak_bytes_per_s,
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
@@ -132,7 +132,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     progress(f"prefill {max_batch} x {ctx} tokens in {prefill_steps} steps: {prefill_s:.1f}s (incl. compile)")
 
     per_token_kv = kv_bytes_per_token(model_cfg, dtype)
-    hbm_peak = HBM_PEAK_BYTES_PER_S * tensor_parallel_size
+    hbm_peak = hbm_peak_bytes_per_s(jax.devices()[0].device_kind) * tensor_parallel_size
 
     def make_report(results, hlo):
         return dict(
@@ -141,7 +141,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, **engine.config.options(),
                         num_pages=num_pages, num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
-            hbm_peak_bytes_per_s=HBM_PEAK_BYTES_PER_S, prefill_s_incl_compile=prefill_s,
+            hbm_peak_bytes_per_s=hbm_peak / tensor_parallel_size, prefill_s_incl_compile=prefill_s,
             results=list(results), hlo=hlo)
 
     # every request generates its prefill token, the warm-up steps' and the measured steps' (then it ends)

@@ -5,7 +5,15 @@ import jax
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.worker import kv_cache
 
-HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
+# datasheet HBM bandwidth by device kind (the first name contained in jax's device_kind); an H200's elsewhere
+HBM_PEAK_BYTES_PER_S = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_peak_bytes_per_s(device_kind: str) -> float:
+    """The card's peak HBM bandwidth, so that a roofline fraction measured on an H100 is not read against an H200's
+    (an H200's figure for other kinds, e.g. a CPU running a benchmark's small case)."""
+    return next((peak for name, peak in HBM_PEAK_BYTES_PER_S.items() if name in device_kind),
+                HBM_PEAK_BYTES_PER_S["H200"])
 
 MODEL_SHAPES = {
     "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,

@@ -14,10 +14,11 @@ from generation; the generation window starts when the requests are added and en
 - running requests (mean over steps, peak), page occupancy, preemptions (recompute), swaps, stalled request-steps;
 - the steady-state compression share of device time (``metrics()["steady_compression_time_share"]``);
 - the HBM roofline fraction of the decode steps: (weight bytes + KV bytes of the pages in use) per decode step,
-  summed, over the window, against the peak bandwidth (of all ``--tensor-parallel-size`` devices together);
+  summed, over the window, against the card's peak bandwidth (``hbm_peak_bytes_per_s``; of all
+  ``--tensor-parallel-size`` devices together);
 - samples over time (throughput, concurrency, pages per running request) for the plots;
-- with a closed loop (``--concurrency``), the steady window's tok/s, running requests, pages per running request
-  and page occupancy (below).
+- with a closed loop (``--concurrency``), the steady window's tok/s, running requests, pages per running request,
+  page occupancy, compression share of the time and HBM roofline fraction (below).
 
 ``--workload long-reasoning`` is the paper's regime: a KV budget of 2048 tokens (``--page-size 256
 --kv-budget-pages 8``, the workload's defaults unless the command line sets others), short prompts (a shared
@@ -67,7 +68,6 @@ from zipage_jax.sampling_params import SamplingParams
 
 WORKLOADS = ("reasoning", "mixed", "prefix", "long-reasoning")
 MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
-HBM_PEAK_BYTES_PER_S = 4.8e12  # H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +244,9 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     resident request is past its first compression), and ends where the loop stopped adding. ``aged``: the
     workload starts mid-trace (``aged_start``); the window then starts when the initial prefill of the long
     contexts is over (``prefill_over_s``)."""
+    import jax
+
+    from zipage_jax.benchmarks.model_shapes import hbm_peak_bytes_per_s
     from zipage_jax.worker import kv_cache
 
     t0 = time.perf_counter()
@@ -313,21 +316,26 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                 - len(scheduler.free_query_rows), pages_per_running_mean=float(np.mean(held)) if held else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
                 num_swaps=scheduler.num_swaps, compression_seconds=engine.runner.compression_seconds,
-                num_prefilling=prefilling))
+                num_prefilling=prefilling, bytes_read=bytes_read))
         if time.perf_counter() >= stop:
             break
     engine.drain(only_finished=True)  # the steps in flight when generation stopped
     wall = time.perf_counter() - start
     tokens = generated()
-    samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens))
+    samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens, bytes_read=bytes_read))
     prefilled_s = None  # aged: the window starts when the initial prefill is over, not after skip_tokens
     if aged:
         skip_tokens, prefilled_s = 0, prefill_over_s(samples, loop_end_s)
     steady = concurrency and not (aged and prefilled_s is None) and steady_window(
         [(h["time_s"], h["generated"]) for h in samples], skip_tokens, loop_end_s, prefilled_s)
+    hbm_peak = hbm_peak_bytes_per_s(jax.devices()[0].device_kind) * engine.config.tensor_parallel_size
     if steady:
         inside = [h for h in samples if steady["start_s"] <= h["time_s"] <= steady["end_s"]]
+        first, last = inside[0], inside[-1]
+        span = max(last["time_s"] - first["time_s"], 1e-9)
         steady.update(skip_tokens=skip_tokens,
+                      hbm_roofline_fraction=(last["bytes_read"] - first["bytes_read"]) / span / hbm_peak,
+                      compression_time_share=(last["compression_seconds"] - first["compression_seconds"]) / span,
                       running_mean=float(np.mean([h["num_running"] for h in inside])),
                       pages_per_running_mean=float(np.mean([h["pages_per_running_mean"] for h in inside])),
                       page_occupancy_mean=float(np.mean([h["page_occupancy"] for h in inside])))
@@ -356,7 +364,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         compression_dispatches=engine.runner.compression_profile(),
         compression_time_share_steady=metrics["steady_compression_time_share"],
         compression_time_share_since_start=metrics["compression_time_share"],
-        hbm_roofline_fraction=bytes_read / steady_wall / (HBM_PEAK_BYTES_PER_S * engine.config.tensor_parallel_size),
+        hbm_roofline_fraction=bytes_read / steady_wall / hbm_peak,
         weight_bytes=total_bytes, page_bytes=page_bytes, kv_pages=pages,
         num_query_rows=metrics["num_query_rows"], max_concurrency=metrics["max_concurrency"],
         pages_per_request_peak_mean=float(np.mean(peak_pages)) if peak_pages else 0.0,
@@ -394,7 +402,9 @@ def format_steady(r: dict) -> str:
     after = "the initial prefill" if aged else f"{w['skip_tokens']} tokens"
     return (head + f"; steady window {w['start_s']:.1f}-{w['end_s']:.1f} s (after {after}): "
             f"{w['tokens_per_s']:.1f} tok/s, running {w['running_mean']:.1f}, pages per running request "
-            f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}")
+            f"{w['pages_per_running_mean']:.1f}, page occupancy {w['page_occupancy_mean']:.0%}, compression "
+            f"{w['compression_time_share']:.1%} of the time, decode steps at {w['hbm_roofline_fraction']:.0%} of the "
+            f"HBM roofline")
 
 
 def format_compressions(r: dict) -> str:
