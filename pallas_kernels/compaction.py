@@ -8,8 +8,10 @@ enter the kernel as mutable refs (``jax.new_ref``), which ``plgpu.kernel`` lower
 outputs alias its inputs; under a jit that donates the pools (or inside a loop carrying them) XLA then
 updates them in place.
 
-One CTA handles one (request, KV head) and walks its output blocks of ``block_rows`` slots in ascending
-order. Hopper TMA has no row gather, so a block's sources arrive as TMA copies of runs of consecutive
+One CTA handles one (request, KV head, pool) and walks its output blocks of ``block_rows`` slots in ascending
+order. The walk is serial (the order is what makes it safe in place, below), so with fewer CTAs than
+multiprocessors a layer takes one walk's time whatever the batch: K and V, independent, get a CTA each
+(``split_pools``), twice the CTAs with half the walk each. Hopper TMA has no row gather, so a block's sources arrive as TMA copies of runs of consecutive
 source rows (its pool rows precomputed from the kept index and the page table; the indices of ``row_group``
 rows are read before their copies are issued, so the reads overlap) into plain SMEM, all on one barrier.
 A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that is
@@ -30,7 +32,7 @@ Why this is safe in place, given what the page manager guarantees:
   complete before its store is issued, and later blocks' stores touch only slots above it. Reads in flight
   for any later block never meet the store of block ``n``.
 * The valid rows' destination pages are distinct and in-place pages belong to one request only (shared
-  pages are copied on write), so different (request, head) CTAs touch disjoint memory.
+  pages are copied on write), so different (request, head, pool) CTAs touch disjoint memory.
 """
 
 import functools
@@ -56,7 +58,8 @@ DEFAULT_STAGES = 4  # blocks whose gathers are in flight; more measured no faste
 
 
 def smem_bytes(block_rows, head_dim, itemsize=2, stages=DEFAULT_STAGES):
-    """Shared memory of one CTA: ``stages`` staging buffers for each of K and V."""
+    """Shared memory of one CTA moving both pools (``split_pools=False``; half that with a CTA a pool):
+    ``stages`` staging buffers for each of K and V."""
     return 2 * stages * block_rows * head_dim * itemsize
 
 
@@ -95,24 +98,39 @@ def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_row
                          f"shared memory")
 
 
-def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_stage, v_stage, bars, *,
-                    block_rows, page_size, num_blocks, row_group, max_run):
+def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, *scratch, split_pools, **walk):
+    """With ``split_pools`` a CTA moves one pool (grid axis ``p``: 0 = K, 1 = V), else both."""
+    if not split_pools:
+        k_stage, v_stage, bars = scratch
+        _compact_walk(layer_ref, rows_ref, dst_ref, valid_ref, ((k_ref, k_stage), (v_ref, v_stage)), bars, **walk)
+        return
+    stage, bars = scratch
+    for which, pool in enumerate((k_ref, v_ref)):
+        @pl.when(lax.axis_index("p") == which)
+        def _one_pool(pool=pool):
+            _compact_walk(layer_ref, rows_ref, dst_ref, valid_ref, ((pool, stage),), bars, **walk)
+
+
+def _compact_walk(layer_ref, rows_ref, dst_ref, valid_ref, pools, bars, *, block_rows, page_size, num_blocks,
+                  row_group, max_run):
+    """One (request, KV head)'s output blocks in ascending order, for each ``(pool ref, staging SMEM)`` of
+    ``pools``; every block's copies arrive on one barrier."""
     head, row = lax.axis_index("h"), lax.axis_index("b")
     layer = layer_ref[0]
     group = math.gcd(block_rows, row_group)
     run = math.gcd(group, max_run)
-    stages = k_stage.shape[0]
+    stages = pools[0][1].shape[0]
 
     def copy_rows(pool_row, count, at, buf):  # ``count`` consecutive rows of one page, one TMA per pool
         page, offset = pool_row // page_size, pool_row % page_size
-        for pool, stage in ((k_ref, k_stage), (v_ref, v_stage)):
+        for pool, stage in pools:
             plgpu.copy_gmem_to_smem(pool.at[layer, page, head, pl.ds(offset, count)],
                                     stage.at[buf, pl.ds(at, count)], bars.at[buf])
 
     def copy_runs(pool_rows, at, buf):
         """Rows ``at ..`` of staging buffer ``buf``: one copy if the pool rows are one run inside a page, else
-        each half on its own. A run's missing arrivals are made up, so every block arrives ``2 * block_rows``
-        times."""
+        each half on its own. A run's missing arrivals are made up, so every block arrives
+        ``len(pools) * block_rows`` times."""
         count = len(pool_rows)
         if count == 1:
             copy_rows(pool_rows[0], 1, at, buf)
@@ -123,7 +141,7 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
         @pl.when(one_run)
         def _run():
             copy_rows(first, count, at, buf)
-            for _ in range(2 * (count - 1)):
+            for _ in range(len(pools) * (count - 1)):
                 plgpu.barrier_arrive(bars.at[buf])
 
         @pl.when(~one_run)
@@ -154,9 +172,9 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
         slot0 = block * block_rows
         page, offset = dst_ref[row, slot0 // page_size], slot0 % page_size
         plgpu.commit_smem()  # proxy fence before the store reads the staged rows: cheap, and safe either way
-        plgpu.copy_smem_to_gmem(k_stage.at[buf], k_ref.at[layer, page, head, pl.ds(offset, block_rows)],
-                                commit_group=False)
-        plgpu.copy_smem_to_gmem(v_stage.at[buf], v_ref.at[layer, page, head, pl.ds(offset, block_rows)])
+        for i, (pool, stage) in enumerate(pools):
+            plgpu.copy_smem_to_gmem(stage.at[buf], pool.at[layer, page, head, pl.ds(offset, block_rows)],
+                                    commit_group=i == len(pools) - 1)
 
     @pl.when(valid_ref[row] != 0)
     def _compact():
@@ -166,10 +184,11 @@ def _compact_kernel(layer_ref, rows_ref, dst_ref, valid_ref, k_ref, v_ref, k_sta
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "row_group", "stages", "max_run", "interpret"),
+@functools.partial(jax.jit, static_argnames=("block_rows", "row_group", "stages", "max_run", "split_pools",
+                                             "interpret"),
                    donate_argnames=("k_pool", "v_pool"))
 def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *, block_rows=None, row_group=8,
-                  stages=DEFAULT_STAGES, max_run=DEFAULT_MAX_RUN, interpret=False):
+                  stages=DEFAULT_STAGES, max_run=DEFAULT_MAX_RUN, split_pools=True, interpret=False):
     """``(k_pool, v_pool)`` with, per valid row ``b`` and KV head ``h``, output slot ``j`` (page
     ``dst_tables[b, j // S]``, offset ``j % S``) of layer ``layer`` set to source slot ``kept[b, h, j]`` (page
     ``src_tables[b, kept // S]``); everything else is untouched. Bit-exact ``gather_slots`` + ``scatter_slots``.
@@ -183,6 +202,7 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     divide S; ``stages`` (>= 2) blocks are staged at once; ``row_group`` kept rows have their indices read
     together before their copies are issued, so the reads overlap; ``max_run`` (a power of two) bounds the runs
     of consecutive source rows moved by one copy (runs span at most ``gcd(block_rows, row_group)`` rows).
+    ``split_pools`` gives K and V a CTA each (twice the CTAs, each with half the walk), else one CTA moves both.
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU.
     """
     page_size = k_pool.shape[3]
@@ -192,23 +212,22 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
         raise ValueError(f"row_group must be >= 1, got {row_group}")
     batch, num_kv_heads, keep = kept.shape
     head_dim, dtype = k_pool.shape[4], k_pool.dtype
-    kernel = functools.partial(_compact_kernel, block_rows=block_rows, page_size=page_size,
+    kernel = functools.partial(_compact_kernel, split_pools=split_pools, block_rows=block_rows, page_size=page_size,
                                num_blocks=keep // block_rows, row_group=row_group, max_run=max_run)
     # each kept slot's pool row (page * S + offset): one scalar load per row in the kernel, not two dependent ones
     kept = kept.astype(jnp.int32)
     pages = jnp.take_along_axis(src_tables.astype(jnp.int32)[:, None, :], kept // page_size, axis=2)
     pool_rows = pages * page_size + kept % page_size
     k_ref, v_ref = jax.new_ref(k_pool), jax.new_ref(v_pool)
+    pools_per_cta = 1 if split_pools else 2
+    stage = plgpu.SMEM((stages, block_rows, head_dim), dtype)
     plgpu.kernel(
         kernel,
         out_type=(),
-        grid=(num_kv_heads, batch),
-        grid_names=("h", "b"),
-        scratch_types=(
-            plgpu.SMEM((stages, block_rows, head_dim), dtype),
-            plgpu.SMEM((stages, block_rows, head_dim), dtype),
-            plgpu.Barrier(num_arrivals=2 * block_rows, num_barriers=stages),
-        ),
+        grid=(2, num_kv_heads, batch) if split_pools else (num_kv_heads, batch),
+        grid_names=("p", "h", "b") if split_pools else ("h", "b"),
+        scratch_types=(*[stage] * pools_per_cta,
+                       plgpu.Barrier(num_arrivals=pools_per_cta * block_rows, num_barriers=stages)),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32),
       k_ref, v_ref)

@@ -116,6 +116,17 @@ def test_compaction_matches_gather_scatter(page_size, head_dim, dtype, block_row
                          max_run=max_run, interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+def test_one_cta_moving_both_pools_matches_gather_scatter(case):
+    """``split_pools=False`` (K and V in one CTA, one barrier for both) against the same oracle."""
+    page_size, head_dim, dtype, block_rows, stages, max_run, num_dst, num_src, rows = case
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    k_pool, v_pool, kept, src, dst, valid = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype)
+    check_against_oracle(seed, k_pool, v_pool, 2, kept, src, dst, valid, block_rows=block_rows, stages=stages,
+                         max_run=max_run, split_pools=False, interpret=INTERPRET)
+
+
 def test_compaction_runs_stop_at_page_ends():
     """Consecutive pool pages: a run of source rows is one copy only inside one page, where memory is contiguous."""
     page_size, head_dim, dtype, block_rows, stages, max_run, num_dst, num_src, rows = UNSHUFFLED
@@ -216,13 +227,15 @@ def test_compaction_rejects_bad_input(bad):
                       max_run=max_run, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("page_size,head_dim,block_rows", [(256, 128, None), (16, 64, None), (64, 128, 32)])
-def test_compaction_lowers_for_hopper(page_size, head_dim, block_rows):
+@pytest.mark.parametrize("page_size,head_dim,block_rows,split_pools",
+                         [(256, 128, None, True), (256, 128, None, False), (16, 64, None, True), (64, 128, 32, True)])
+def test_compaction_lowers_for_hopper(page_size, head_dim, block_rows, split_pools):
     """Mosaic GPU lowering runs on CPU, so lowering errors show up without a GPU."""
     pool = jax.ShapeDtypeStruct((2, 33, 8, page_size, head_dim), jnp.bfloat16)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     lowered = compact_slots.trace(pool, pool, i32(), i32(4, 8, 2 * page_size), i32(4, 5), i32(4, 2),
-                                  jax.ShapeDtypeStruct((4,), jnp.bool_), block_rows=block_rows)
+                                  jax.ShapeDtypeStruct((4,), jnp.bool_), block_rows=block_rows,
+                                  split_pools=split_pools)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -241,15 +254,17 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (or newer) NVIDIA GPU")
+@pytest.mark.parametrize("split_pools", [True, False])
 @pytest.mark.parametrize("page_size,head_dim,block_rows,num_dst,num_src,num_kv_heads,rows", GPU_CASES)
 def test_compiled_compaction_matches_gather_scatter(page_size, head_dim, block_rows, num_dst, num_src,
-                                                    num_kv_heads, rows):
+                                                    num_kv_heads, rows, split_pools):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     k_pool, v_pool, kept, src, dst, valid = random_problem(rng, rows, page_size, head_dim, num_dst, num_src,
                                                            num_kv_heads=num_kv_heads)
-    check_against_oracle(seed, k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows)
+    check_against_oracle(seed, k_pool, v_pool, 1, kept, src, dst, valid, block_rows=block_rows,
+                         split_pools=split_pools)
     k_copy, v_copy = jnp.copy(k_pool), jnp.copy(v_pool)
     pointers = k_copy.unsafe_buffer_pointer(), v_copy.unsafe_buffer_pointer()
-    out = compact_slots(k_copy, v_copy, 1, kept, src, dst, valid, block_rows=block_rows)
+    out = compact_slots(k_copy, v_copy, 1, kept, src, dst, valid, block_rows=block_rows, split_pools=split_pools)
     assert (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers  # in place

@@ -22,7 +22,7 @@ def test_compression_section_runs_on_cpu(tmp_path):
                      ("redundancy_one_layer", "jnp"),
                      ("selection_one_layer", "sorted_threshold"), ("selection_one_layer", "kernel_threshold"),
                      ("compaction_one_layer", "mosaic_in_place"),
-                     ("compaction_one_layer", "mosaic_in_place_g16"), ("compaction_one_layer", "mosaic_in_place_row_by_row"), ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
+                     ("compaction_one_layer", "mosaic_in_place_g16"), ("compaction_one_layer", "mosaic_in_place_joint"), ("compaction_one_layer", "mosaic_in_place_row_by_row"), ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
                      ("compress_step", "kernel"), ("compress_step", "jnp"), ("compress_step", "kernel_no_redundancy"),
                      ("decode_step", "forward_paged")}
     scoring = [r for r in rows if r["part"] == "scoring_one_layer"]

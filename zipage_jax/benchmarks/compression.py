@@ -127,11 +127,15 @@ def bench_compression(args):
     cfg = ScoringConfig(window=window)
     variants = {"kernel": (kernel_backend, cfg), "jnp": (REFERENCE, cfg),
                 "kernel_no_redundancy": (kernel_backend, dataclasses.replace(cfg, redundancy="off"))}
+    if not args.interpret:  # the XLA gather/scatter compaction (all slots at once) inside the step: a GPU timing
+        variants["kernel_xla_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=xla_compact_slots), cfg)
     rows, params = [], None
     base = dict(kernel="compression", model_shape=args.comp_model_shape, budget=budget, page=page_size,
                 window=window, q_heads=hq, kv_heads=hkv, head_dim=head_dim, layers=num_layers)
     deadline = time.monotonic() + args.time_budget
     for batch in args.comp_batch:
+        if rows:  # a device call killed mid-batch still leaves the batches before it
+            write_rows(args.json, rows)
         if time.monotonic() > deadline:
             print(f"time budget spent: skipping compression batch={batch}", flush=True)
             continue
@@ -231,6 +235,7 @@ def bench_compression(args):
                                                      row_group=row_group, interpret=interpret, **blocks)
 
         for name, compact in (("mosaic_in_place", kernel_compaction()), ("mosaic_in_place_g16", kernel_compaction(16)),
+                              ("mosaic_in_place_joint", kernel_compaction(split_pools=False)),
                               ("mosaic_in_place_row_by_row", kernel_compaction(max_run=1)),
                               ("xla_slot_gather_scatter", slot_compaction), ("xla_page_scatter", page_compaction)):
             def measure(row, compact=compact):
