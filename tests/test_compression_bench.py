@@ -16,15 +16,13 @@ def test_compression_section_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r]
     parts = {(r["part"], r["impl"]) for r in rows}
-    assert parts == {("scoring_one_layer", "kernel"), ("scoring_one_layer", "jnp"), ("scoring_one_layer", "kernel_s3"),
-                     ("scoring_one_layer", "kernel_b64"),
-                     ("redundancy_one_layer", "kernel"),
-                     ("redundancy_one_layer", "jnp"),
+    # interpreted, the kernels' tuning variants are left to the GPU (the kernel tests check every option)
+    assert parts == {("scoring_one_layer", "kernel"), ("scoring_one_layer", "jnp"),
+                     ("redundancy_one_layer", "kernel"), ("redundancy_one_layer", "jnp"),
                      ("selection_one_layer", "sorted_threshold"), ("selection_one_layer", "kernel_threshold"),
-                     ("compaction_one_layer", "mosaic_in_place"),
-                     ("compaction_one_layer", "mosaic_in_place_g16"), ("compaction_one_layer", "mosaic_in_place_joint"), ("compaction_one_layer", "mosaic_in_place_row_by_row"), ("compaction_one_layer", "xla_slot_gather_scatter"), ("compaction_one_layer", "xla_page_scatter"),
-                     ("compress_step", "kernel"), ("compress_step", "jnp"), ("compress_step", "kernel_no_redundancy"),
-                     ("decode_step", "forward_paged")}
+                     ("compaction_one_layer", "mosaic_in_place"), ("compaction_one_layer", "xla_slot_gather_scatter"),
+                     ("compaction_one_layer", "xla_page_scatter"),
+                     ("compress_step", "kernel"), ("compress_step", "jnp"), ("decode_step", "forward_paged")}
     scoring = [r for r in rows if r["part"] == "scoring_one_layer"]
     assert all(r["ok"] and r["rel_err"] <= bench.MAX_REL_ERR and r["scratch_bytes"] > 0 for r in scoring)
     assert all(r["rel_err_ragged"] <= bench.MAX_REL_ERR for r in scoring if r["impl"] != "jnp")
@@ -32,7 +30,7 @@ def test_compression_section_runs_on_cpu(tmp_path):
     assert all(r["ok"] and r["rel_err"] <= bench.MAX_REL_ERR for r in redundancy)
     assert all(r["exact"] for r in rows if r["part"] == "selection_one_layer")
     decode = next(r for r in rows if r["part"] == "decode_step")
-    assert {"ratio_kernel", "ratio_jnp", "ratio_kernel_no_redundancy"} <= set(decode)
+    assert {"ratio_kernel", "ratio_jnp"} <= set(decode)
     assert all(r["ms"] > 0 for r in rows)
 
 
