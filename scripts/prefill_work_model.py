@@ -1,0 +1,69 @@
+"""Where the ragged prefill case loses against one long prompt, from the kernel's tiling alone (no GPU).
+
+    PYTHONPATH=. python scripts/prefill_work_model.py [--cases 1x8192 64x128-2048] [--ctas 132]
+
+For each `pallas_kernels.bench` prefill case (the same lengths) and Qwen3-8B's heads (32 q / 8 kv: items of
+32 tokens x 4 query heads, per `ragged_prefill.gqa_tiling`), it counts what `ragged_prefill` runs: the work items,
+their KV blocks (`block_kv` 128), the share of blocks that are diagonal (masked), the keys computed against the
+causal ones, and the load of the busiest persistent CTA against the mean when items go round-robin
+(`cta, cta + num_ctas, ...`, the kernel's order) or longest-first to the least loaded CTA. Costs count KV blocks
+only, so per-item overheads (query loads, stores, pipeline fill) come on top of what it shows.
+"""
+
+import argparse
+import heapq
+
+import numpy as np
+
+from pallas_kernels.bench import PREFILL_CASES, prefill_lengths
+from pallas_kernels.ragged_prefill import gqa_tiling
+
+
+def items_of(lengths, tile_tokens, block_kv, num_slabs):
+    """KV blocks of every item in the kernel's order (a request's tiles last-first, its slabs side by side), and
+    the keys computed and causally needed."""
+    blocks, computed, causal = [], 0, 0
+    for length in lengths:
+        for tile in reversed(range(-(-int(length) // tile_tokens))):
+            lo, hi = tile * tile_tokens, min((tile + 1) * tile_tokens, int(length))
+            num_blocks = -(-hi // block_kv)
+            blocks += [num_blocks] * num_slabs
+            computed += num_slabs * num_blocks * block_kv * (hi - lo)
+            causal += num_slabs * ((hi * (hi + 1) - lo * (lo + 1)) // 2)
+    return np.array(blocks), computed, causal
+
+
+def busiest_over_mean(costs, num_ctas, longest_first):
+    if not longest_first:
+        loads = np.array([costs[c::num_ctas].sum() for c in range(num_ctas)])
+    else:
+        heap = [(0, c) for c in range(num_ctas)]
+        for cost in sorted(costs, reverse=True):
+            load, cta = heapq.heappop(heap)
+            heapq.heappush(heap, (load + cost, cta))
+        loads = np.array([load for load, _ in heap])
+    return loads.max() / loads.mean()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=PREFILL_CASES)
+    parser.add_argument("--ctas", type=int, default=132, help="persistent CTAs (an H100 or H200 has 132 SMs)")
+    parser.add_argument("--block-kv", type=int, default=128)
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    args = parser.parse_args(argv)
+    heads, tile_tokens = gqa_tiling(args.q_heads // args.kv_heads)
+    num_slabs = args.q_heads // heads
+    print(f"items of {tile_tokens} tokens x {heads} query heads, KV blocks of {args.block_kv}, {args.ctas} CTAs")
+    print(f"{'case':>14} {'items':>7} {'blocks/item':>11} {'diagonal':>8} {'computed/causal':>15} "
+          f"{'round-robin':>11} {'longest-first':>13}")
+    for case in args.cases:
+        blocks, computed, causal = items_of(prefill_lengths(case), tile_tokens, args.block_kv, num_slabs)
+        print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {1 / blocks.mean():>8.1%} "
+              f"{computed / causal:>15.3f} {busiest_over_mean(blocks, args.ctas, False):>11.3f} "
+              f"{busiest_over_mean(blocks, args.ctas, True):>13.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""scripts/prefill_work_model.py: the ragged prefill's work counted from the kernel's tiling, on cases small enough
+to count by hand."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+spec = importlib.util.spec_from_file_location(
+    "prefill_work_model", Path(__file__).resolve().parents[1] / "scripts" / "prefill_work_model.py")
+model = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(model)
+
+
+def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
+    # 40 tokens in tiles of 32: [32, 40) first (last-first), then [0, 32); both within one KV block of 128
+    blocks, computed, causal = model.items_of([40], tile_tokens=32, block_kv=128, num_slabs=1)
+    assert blocks.tolist() == [1, 1]
+    assert computed == 128 * 8 + 128 * 32 and causal == 40 * 41 // 2
+    # 256 tokens, two slabs: tiles 7..0 reach 256, 224, ..., 32 keys: blocks 2,2,2,2,1,1,1,1, each twice
+    blocks, computed, causal = model.items_of([256], tile_tokens=32, block_kv=128, num_slabs=2)
+    assert blocks.tolist() == [n for n in (2, 2, 2, 2, 1, 1, 1, 1) for _ in range(2)]
+    assert causal == 2 * 256 * 257 // 2 and computed == 2 * 32 * 128 * (4 * 2 + 4 * 1)
+
+
+def test_round_robin_and_longest_first_loads():
+    costs = np.array([4, 1, 1, 1, 1, 4])
+    # round-robin over 2 CTAs: [4, 1, 1] and [1, 1, 4] are even; over 3: [4, 1], [1, 1], [1, 4]
+    assert model.busiest_over_mean(costs, 2, longest_first=False) == 1.0
+    assert model.busiest_over_mean(costs, 3, longest_first=False) == 5 / 4
+    # longest-first to the least loaded of 3: 4 | 4 | 1+1+1+1 balances exactly
+    assert model.busiest_over_mean(costs, 3, longest_first=True) == 1.0
