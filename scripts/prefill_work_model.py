@@ -20,17 +20,19 @@ from pallas_kernels.ragged_prefill import gqa_tiling
 
 
 def items_of(lengths, tile_tokens, block_kv, num_slabs):
-    """KV blocks of every item in the kernel's order (a request's tiles last-first, its slabs side by side), and
-    the keys computed and causally needed."""
-    blocks, computed, causal = [], 0, 0
+    """KV blocks of every item in the kernel's order (a request's tiles last-first, its slabs side by side), how
+    many of them run masked (not wholly below the tile's first position, as ``ragged_prefill._Item``), and the
+    keys computed and causally needed."""
+    blocks, masked, computed, causal = [], 0, 0, 0
     for length in lengths:
         for tile in reversed(range(-(-int(length) // tile_tokens))):
             lo, hi = tile * tile_tokens, min((tile + 1) * tile_tokens, int(length))
             num_blocks = -(-hi // block_kv)
             blocks += [num_blocks] * num_slabs
+            masked += num_slabs * (num_blocks - (lo + 1) // block_kv)
             computed += num_slabs * num_blocks * block_kv * (hi - lo)
             causal += num_slabs * ((hi * (hi + 1) - lo * (lo + 1)) // 2)
-    return np.array(blocks), computed, causal
+    return np.array(blocks), masked, computed, causal
 
 
 def busiest_over_mean(costs, num_ctas, longest_first):
@@ -59,8 +61,8 @@ def main(argv=None):
     print(f"{'case':>14} {'items':>7} {'blocks/item':>11} {'diagonal':>8} {'computed/causal':>15} "
           f"{'round-robin':>11} {'longest-first':>13}")
     for case in args.cases:
-        blocks, computed, causal = items_of(prefill_lengths(case), tile_tokens, args.block_kv, num_slabs)
-        print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {1 / blocks.mean():>8.1%} "
+        blocks, masked, computed, causal = items_of(prefill_lengths(case), tile_tokens, args.block_kv, num_slabs)
+        print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {masked / blocks.sum():>8.1%} "
               f"{computed / causal:>15.3f} {busiest_over_mean(blocks, args.ctas, False):>11.3f} "
               f"{busiest_over_mean(blocks, args.ctas, True):>13.3f}")
 

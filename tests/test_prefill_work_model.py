@@ -14,12 +14,13 @@ spec.loader.exec_module(model)
 
 def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
     # 40 tokens in tiles of 32: [32, 40) first (last-first), then [0, 32); both within one KV block of 128
-    blocks, computed, causal = model.items_of([40], tile_tokens=32, block_kv=128, num_slabs=1)
-    assert blocks.tolist() == [1, 1]
+    blocks, masked, computed, causal = model.items_of([40], tile_tokens=32, block_kv=128, num_slabs=1)
+    assert blocks.tolist() == [1, 1] and masked == 2
     assert computed == 128 * 8 + 128 * 32 and causal == 40 * 41 // 2
     # 256 tokens, two slabs: tiles 7..0 reach 256, 224, ..., 32 keys: blocks 2,2,2,2,1,1,1,1, each twice
-    blocks, computed, causal = model.items_of([256], tile_tokens=32, block_kv=128, num_slabs=2)
+    blocks, masked, computed, causal = model.items_of([256], tile_tokens=32, block_kv=128, num_slabs=2)
     assert blocks.tolist() == [n for n in (2, 2, 2, 2, 1, 1, 1, 1) for _ in range(2)]
+    assert masked == 2 * 8  # tiles from 128 on run block 0 unmasked (wholly below them), block 1 masked
     assert causal == 2 * 256 * 257 // 2 and computed == 2 * 32 * 128 * (4 * 2 + 4 * 1)
 
 
