@@ -8,19 +8,18 @@ enter the kernel as mutable refs (``jax.new_ref``), which ``plgpu.kernel`` lower
 outputs alias its inputs; under a jit that donates the pools (or inside a loop carrying them) XLA then
 updates them in place.
 
-One CTA handles one (request, KV head, pool) and walks its output blocks of ``block_rows`` slots in ascending
-order. The walk is serial (the order is what makes it safe in place, below), so with fewer CTAs than
-multiprocessors a layer takes one walk's time whatever the batch: K and V, independent, get a CTA each
-(``split_pools``), twice the CTAs with half the walk each. Hopper TMA has no row gather, so a block's sources arrive as TMA copies of runs of consecutive
-source rows (its pool rows precomputed from the kept index and the page table; the indices of ``row_group``
-rows are read before their copies are issued, so the reads overlap) into plain SMEM, all on one barrier.
-A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that is
-one run inside one source page goes as one copy, else each half is tried the same way, down to single rows.
-With 11 % of slots evicted at random that issues about a third of the copies of row by row, which is bound by
-copy issue (BENCHMARKS.md, "Compression step"). Every span makes up
-its skipped copies' barrier arrivals; the block then leaves as one TMA store (a block lies inside one
-destination page). ``stages`` staging buffers: the next ``stages - 1`` blocks' gathers are in flight while
-the current block is stored.
+One CTA handles one (request, KV head, pool) and walks its output blocks of ``block_rows`` slots in ascending order.
+The walk is serial (the order is what makes it safe in place, below), so with fewer CTAs than multiprocessors a
+layer takes one walk's time whatever the batch: K and V, independent, get a CTA each (``split_pools``), twice the
+CTAs with half the walk each. Hopper TMA has no row gather, so a block's sources arrive as TMA copies of runs of
+consecutive source rows (its pool rows precomputed from the kept index and the page table; the indices of
+``row_group`` rows are read before their copies are issued, so the reads overlap) into plain SMEM, all on one
+barrier. A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that
+is one run inside one source page goes as one copy, else each half is tried the same way, down to single rows. With
+11 % of slots evicted at random that issues about a third of the copies of row by row, which is bound by copy issue
+(BENCHMARKS.md, "Compression step"). Every span makes up its skipped copies' barrier arrivals; the block then leaves
+as one TMA store (a block lies inside one destination page). ``stages`` staging buffers: the next ``stages - 1``
+blocks' gathers are in flight while the current block is stored.
 
 Why this is safe in place, given what the page manager guarantees:
 

@@ -322,7 +322,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     engine.drain(only_finished=True)  # the steps in flight when generation stopped
     wall = time.perf_counter() - start
     tokens = generated()
-    samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens, bytes_read=bytes_read))
+    samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens, bytes_read=bytes_read,
+                        compression_seconds=engine.runner.compression_seconds))
     prefilled_s = None  # aged: the window starts when the initial prefill is over, not after skip_tokens
     if aged:
         skip_tokens, prefilled_s = 0, prefill_over_s(samples, loop_end_s)
