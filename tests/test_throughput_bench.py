@@ -283,5 +283,9 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         assert r["aged_start"] and r["prefilled_s"] == w["start_s"] > history[busy]["time_s"]
         start = next(h for h in history if h["time_s"] == w["start_s"])
         assert start["num_prefilling"] == 0
+        # the window's compression share splits off the first compressions of the aged (wide) contexts
+        assert 0 <= w["compression_time_share_at_budget"] <= w["compression_time_share"]
+        wide = [d for d in r["compression_dispatches"] if d["width"] > d["budget"] + 1]
+        assert (history[-1]["wide_compression_seconds"] > 0) == bool(wide)
         assert r["complete"] and r["generated_tokens"] == report["workload"]["output_tokens_total"]
     assert "after the initial prefill" in throughput.format_report(report)

@@ -257,6 +257,9 @@ class ModelRunner:
                                      donate_argnames=("state",))
         self.swap_page_sizes = bucket_sizes(1, self.pages_per_seq)
         self.compression_seconds = 0.0  # device time of the compressions dispatched (measured or estimated)
+        # of which those wider than M + 1 pages: first compressions of long contexts (long prompts, the throughput
+        # benchmark's aged start), which a steady state of short prompts does not have
+        self.wide_compression_seconds = 0.0
         self.last_decode_key = None  # program key of the last decode step (``programs.compiled``: its HLO)
         self._last_decode = None  # its host inputs, requests and rows (``replay_last_decode``)
         self._compression_times: dict = {}  # shape -> measured seconds (asynchronous mode: probed once)
@@ -507,9 +510,11 @@ class ModelRunner:
             # a program met here for the first time compiles inside the dispatch: that is start-up, not device time
             elapsed = time.perf_counter() - start - (self.programs.compile_wall_s - compiling)
             self._compression_times[key] = seen + [elapsed]
-            self.compression_seconds += elapsed
         else:
-            self.compression_seconds += min(seen)
+            elapsed = min(seen)
+        self.compression_seconds += elapsed
+        if width > budget + 1:
+            self.wide_compression_seconds += elapsed
 
     def compression_profile(self) -> list[dict]:
         """Per dispatch shape (budget M, padded width, row bucket): dispatches, requests compressed and the
