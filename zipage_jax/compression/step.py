@@ -1,11 +1,8 @@
 """One compression of a batch of requests over all layers: score, select, compact (docs/ARCHITECTURE.md, Compression).
 
-The caches ride in a ``fori_loop`` carry and each
-layer is addressed by index, so under donation the compaction is in place and the scratch is one layer's worth
-(see ``compress``).
+The caches ride in a ``fori_loop`` carry and each layer is addressed by index, so under donation the
+compaction is in place and the scratch is one layer's worth (see ``compress``).
 """
-
-import functools
 
 import flax.struct
 import jax
@@ -93,20 +90,6 @@ def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_
     return per_layer.transpose(1, 0, 2, 3)
 
 
-def _compress_layer(layer, caches, query_cache, batch, cfg, sm_scale, backend):
-    """Score, select and compact one layer of every row of ``batch``: the caches after it."""
-    k_pool, v_pool, score_cache = caches
-    keep = batch.dst_tables.shape[1] * k_pool.shape[3]
-    scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
-    kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
-    k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
-                                           batch.valid)
-    if cfg.tracks_history:
-        kept_history = jnp.take_along_axis(history, kept, axis=2)
-        score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
-    return k_pool, v_pool, score_cache
-
-
 def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
              backend):
     """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
@@ -130,7 +113,17 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     (``bench compression``, 4 and 16 rows), so a dispatch's fixed cost is not the loop's.
     """
     _check(k_pool, score_cache, query_cache, batch, cfg)
-    caches = (k_pool, v_pool, score_cache)
-    step = functools.partial(_compress_layer, query_cache=query_cache, batch=batch, cfg=cfg, sm_scale=sm_scale,
-                             backend=backend)
-    return jax.lax.fori_loop(0, k_pool.shape[0], step, caches)
+    keep = batch.dst_tables.shape[1] * k_pool.shape[3]
+
+    def layer_step(layer, caches):
+        k_pool, v_pool, score_cache = caches
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
+        kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
+        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
+                                               batch.valid)
+        if cfg.tracks_history:
+            kept_history = jnp.take_along_axis(history, kept, axis=2)
+            score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
+        return k_pool, v_pool, score_cache
+
+    return jax.lax.fori_loop(0, k_pool.shape[0], layer_step, (k_pool, v_pool, score_cache))
