@@ -335,15 +335,16 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     hbm_peak = hbm_peak_bytes_per_s(jax.devices()[0].device_kind) * engine.config.tensor_parallel_size
     if steady:
         inside = [h for h in samples if steady["start_s"] <= h["time_s"] <= steady["end_s"]]
-        first, last = inside[0], inside[-1]
-        span = max(last["time_s"] - first["time_s"], 1e-9)
-        steady.update(skip_tokens=skip_tokens,
-                      hbm_roofline_fraction=(last["bytes_read"] - first["bytes_read"]) / span / hbm_peak,
-                      compression_time_share=(last["compression_seconds"] - first["compression_seconds"]) / span,
+        span = max(inside[-1]["time_s"] - inside[0]["time_s"], 1e-9)
+
+        def per_s(key):  # a counter's growth over the window, a second
+            return (inside[-1][key] - inside[0][key]) / span
+
+        steady.update(skip_tokens=skip_tokens, hbm_roofline_fraction=per_s("bytes_read") / hbm_peak,
+                      compression_time_share=per_s("compression_seconds"),
                       # without the first compressions of contexts wider than M + 1 pages (the aged start's)
-                      compression_time_share_at_budget=(last["compression_seconds"] - first["compression_seconds"]
-                                                        - last["wide_compression_seconds"]
-                                                        + first["wide_compression_seconds"]) / span,
+                      compression_time_share_at_budget=per_s("compression_seconds")
+                      - per_s("wide_compression_seconds"),
                       running_mean=float(np.mean([h["num_running"] for h in inside])),
                       pages_per_running_mean=float(np.mean([h["pages_per_running_mean"] for h in inside])),
                       page_occupancy_mean=float(np.mean([h["page_occupancy"] for h in inside])))
