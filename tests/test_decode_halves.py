@@ -2,9 +2,6 @@
 experiment for large batches) computes what ``forward_paged`` does, and its stream variant annotates each
 attention for a second GPU stream."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +9,10 @@ import numpy as np
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.layers.attention import REFERENCE
 from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
+from helpers import load_script
 from seeds import seeded_rng
 
-spec = importlib.util.spec_from_file_location(
-    "decode_variants", Path(__file__).resolve().parents[1] / "scripts" / "decode_variants.py")
-variants = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(variants)
+variants = load_script("decode_variants")
 
 
 def decode_case(rng, cfg, rows=5, page=16, pages_per_row=3):

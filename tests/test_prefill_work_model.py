@@ -1,15 +1,11 @@
 """scripts/prefill_work_model.py: the ragged prefill's work counted from the kernel's tiling, on cases small enough
 to count by hand."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
-spec = importlib.util.spec_from_file_location(
-    "prefill_work_model", Path(__file__).resolve().parents[1] / "scripts" / "prefill_work_model.py")
-model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(model)
+from helpers import load_script
+
+model = load_script("prefill_work_model")
 
 
 def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
