@@ -24,5 +24,5 @@ echo "card memory ${memory_mib} MiB: a closed loop of $SEQS"
 aged=()
 [ "${AGED:-1}" = 1 ] && aged=(--aged-start --max-num-batched-tokens 8192)
 timeout 590 python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b "${aged[@]}" \
-  --gpu-memory-utilization 0.9 --max-num-seqs "${SEQS:-384}" --concurrency "${SEQS:-384}" --time-budget "${BUDGET:-540}" --sample-interval-s 1 \
+  --gpu-memory-utilization 0.9 --max-num-seqs "$SEQS" --concurrency "$SEQS" --time-budget "${BUDGET:-540}" --sample-interval-s 1 \
   --json "$OUT/long_reasoning.json" --png "$OUT/long_reasoning.png" 2>&1 | tee "$OUT/long_reasoning.log" | tail -16
