@@ -11,7 +11,8 @@
 # SEQS requests caught mid-trace, their generated part prefilled, 8192 prompt tokens a step to prefill it sooner)
 # so that full KV's window is its steady state, not a wave of short contexts growing together; AGED=0: the wave.
 # --time-budget 540 gives each mode an equal share of what is left when it starts (start-up included);
-# timeout 590 stops the command whatever happens. In $OUT: long_reasoning.json (rewritten after each mode),
+# timeout 590 stops the command whatever happens. MODES="compressed" BUDGET=300: compressed mode alone (its compression
+# share, say), in half the time. In $OUT: long_reasoning.json (rewritten after each mode),
 # long_reasoning.png (throughput with the steady windows shaded, requests, occupancy, pages per request) and
 # long_reasoning.log (everything printed; its tail is echoed here).
 set -uo pipefail
@@ -24,5 +25,6 @@ echo "card memory ${memory_mib} MiB: a closed loop of $SEQS"
 aged=()
 [ "${AGED:-1}" = 1 ] && aged=(--aged-start --max-num-batched-tokens 8192)
 timeout 590 python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b "${aged[@]}" \
-  --gpu-memory-utilization 0.9 --max-num-seqs "$SEQS" --concurrency "$SEQS" --time-budget "${BUDGET:-540}" --sample-interval-s 1 \
+  --modes ${MODES:-full compressed} --gpu-memory-utilization 0.9 --max-num-seqs "$SEQS" --concurrency "$SEQS" \
+  --time-budget "${BUDGET:-540}" --sample-interval-s 1 \
   --json "$OUT/long_reasoning.json" --png "$OUT/long_reasoning.png" 2>&1 | tee "$OUT/long_reasoning.log" | tail -16

@@ -17,7 +17,7 @@ from zipage_jax.compression.step import CompressionBatch, compress, slot_scores
 from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.selection import select_slots
 from zipage_jax.compression.compaction import gather_slots, scatter_slots
-from zipage_jax.layers.attention import REFERENCE
+from zipage_jax.layers.attention import REFERENCE, XLA_COMPACTION_MAX_ROWS, compaction_by_rows, resolve_backend
 from helpers import random_problem as scoring_problem
 from seeds import fresh_seed, seeded_rng
 
@@ -125,6 +125,29 @@ def test_one_cta_moving_both_pools_matches_gather_scatter(case):
     k_pool, v_pool, kept, src, dst, valid = random_problem(rng, rows, page_size, head_dim, num_dst, num_src, dtype)
     check_against_oracle(seed, k_pool, v_pool, 2, kept, src, dst, valid, block_rows=block_rows, stages=stages,
                          max_run=max_run, split_pools=False, interpret=INTERPRET)
+
+
+def test_small_dispatches_compact_through_xla_and_larger_ones_through_the_kernel():
+    """The kernel backends' ``compact_slots``: up to ``XLA_COMPACTION_MAX_ROWS`` rows XLA's gather-then-scatter, more
+    the in-place kernel; either way the oracle's result, bit for bit."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[3].shape[0])
+        return compact_slots(*args, interpret=INTERPRET)
+
+    by_rows = compaction_by_rows(kernel)
+    targets = [("inplace", "random"), ("cow", "runs"), ("padding", "first"), ("inplace", "last"), ("cow", "first")]
+    for rows in (XLA_COMPACTION_MAX_ROWS, XLA_COMPACTION_MAX_ROWS + 1):
+        k_pool, v_pool, kept, src, dst, valid = random_problem(rng, targets[:rows], 16, 64, 2, 3)
+        want = [oracle(p, 1, kept, src, dst, valid) for p in (k_pool, v_pool)]
+        got = jax.jit(by_rows)(jnp.copy(k_pool), jnp.copy(v_pool), 1, kept, src, dst, valid)
+        for name, g, w in zip("KV", got, want):
+            np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"seed {seed}: {rows} rows, {name} pool")
+    assert calls == [XLA_COMPACTION_MAX_ROWS + 1]
+    assert resolve_backend("mosaic").compact_slots.__qualname__ == compaction_by_rows(kernel).__qualname__
 
 
 def test_compaction_runs_stop_at_page_ends():

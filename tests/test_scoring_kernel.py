@@ -105,7 +105,7 @@ def test_compress_with_the_kernel_equals_jnp():
 def test_backends_declare_their_compression_kernels():
     assert REFERENCE.window_scores is paged_window_attention and resolve_backend("reference") is REFERENCE
     mosaic = resolve_backend("mosaic")
-    assert mosaic.window_scores is window_scores and mosaic.compact_slots is compact_slots
+    assert mosaic.window_scores is window_scores and mosaic.fused_compression
     assert mosaic is resolve_backend("mosaic")  # resolved once: one jit cache entry per backend
     # tensor parallel: attention per shard; the compression kernels stay (the runner calls them per shard)
     tp = sharded(mosaic, mesh=None)

@@ -131,8 +131,10 @@ def bench_compression(args):
     variants = {"kernel": (kernel_backend, cfg), "jnp": (REFERENCE, cfg)}
     if tuning:
         variants["kernel_no_redundancy"] = (kernel_backend, dataclasses.replace(cfg, redundancy="off"))
-        # the XLA gather/scatter compaction (all slots at once) inside the step
+        # the compaction of every dispatch through XLA (gather/scatter, all slots at once) or through the in-place
+        # kernel; "kernel" takes XLA up to XLA_COMPACTION_MAX_ROWS rows (``attention.compaction_by_rows``)
         variants["kernel_xla_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=xla_compact_slots), cfg)
+        variants["kernel_mosaic_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=compact_slots), cfg)
     rows, params = [], None
     base = dict(kernel="compression", model_shape=args.comp_model_shape, budget=budget, page=page_size,
                 window=window, q_heads=hq, kv_heads=hkv, head_dim=head_dim, layers=num_layers)

@@ -58,17 +58,21 @@ def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool 
     query's logits, a handful of f32 score vectors, the redundancy similarities of one page against the rest,
     the kept K/V. ``fused`` (the Mosaic kernels: window scores, lightning redundancy, in-place compaction):
     only the score vectors and the kept slots' pool rows, plus the gathered keys and similarities of "full"
-    redundancy, which stays jnp.
+    redundancy, which stays jnp, and the kept K/V of the small dispatches that compact through XLA
+    (``attention.compaction_by_rows``).
     """
     it = jnp.dtype(dtype).itemsize
     c, slots = model_cfg, pages * config.page_size
     keys_and_similarities = c.head_dim * it + config.page_size * 4
+    small_compactions = 0
     if fused:
         per_slot = c.num_kv_heads * (9 * 4 + (keys_and_similarities if config.scoring.redundancy == "full" else 0))
+        kept_kv = 2 * c.num_kv_heads * config.kv_budget_pages * config.page_size * c.head_dim * it  # one row's
+        small_compactions = attention.XLA_COMPACTION_MAX_ROWS * kept_kv
     else:
         per_slot = c.num_kv_heads * (2 * c.head_dim * it + 8 * 4 + keys_and_similarities) + 2 * c.num_heads * 4
     history = slots * c.num_kv_heads * 4 * 2 if config.tracks_history else 0
-    return int(slots * per_slot + history)
+    return int(slots * per_slot + history + small_compactions)
 
 
 def plan_memory(config, model_cfg, dtype, max_model_len: int,
