@@ -146,13 +146,22 @@ def main():
                for name, b in jobs}
 
     def compile_one(job):
+        """``(job, executable or the compiler's error, seconds)``: a variant XLA cannot compile is a row, not a stop."""
         t = time.perf_counter()
-        return job, lowered[job].compile(compiler_options=VARIANTS[job[0]][1]), time.perf_counter() - t
+        try:
+            exe = lowered[job].compile(compiler_options=VARIANTS[job[0]][1])
+        except jax.errors.JaxRuntimeError as error:
+            exe = error
+        return job, exe, time.perf_counter() - t
 
     with concurrent.futures.ThreadPoolExecutor(8) as executor:
         compiled = {job: (exe, s) for job, exe, s in executor.map(compile_one, jobs)}
     rows = []
     for (name, b), (exe, compile_s) in compiled.items():
+        if isinstance(exe, Exception):
+            rows.append(dict(variant=name, batch=b, error=f"{type(exe).__name__}: {exe}"[:500]))
+            print(f"{name:>16} batch {b:>4}: ERROR {rows[-1]['error'][:200]}", flush=True)
+            continue
         p, batch = params[VARIANTS[name][0]], batch_for(b)
 
         def run():

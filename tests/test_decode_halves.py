@@ -46,3 +46,20 @@ def test_the_stream_variant_puts_every_attention_on_stream_one():
         k_pool, v_pool, batch).as_text()
     calls = [line for line in text.splitlines() if "call @compute_on" in line]
     assert len(calls) == 2 * cfg.num_layers and all('_xla_stream_annotation = "1"' in c for c in calls)
+
+
+def test_a_variant_that_does_not_compile_is_a_row_and_the_others_still_run(monkeypatch, tmp_path):
+    """On an H100 XLA rejected ``halves+stream`` (its stream annotation) and the script stopped with every other
+    variant unmeasured; now the error is that variant's row."""
+    import json
+    import sys
+
+    monkeypatch.setitem(variants.VARIANTS, "broken", ("serving", {"xla_no_such_option": True}))
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["decode_variants", "--model-shape", "tiny", "--batch", "2", "--ctx", "16",
+                                      "--page-size", "16", "--variants", "broken", "unrolled",
+                                      "--attention-backend", "reference", "--json", str(out)])
+    variants.main()
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert "xla_no_such_option" in rows["broken"]["error"] and "ms" not in rows["broken"]
+    assert rows["unrolled"]["ms"] > 0 and "error" not in rows["unrolled"]
