@@ -229,5 +229,8 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
       q_tiles, k_pool, v_pool)
-    out = merge_splits(o_parts, lse_parts[..., :group])
+    if num_splits == 1:  # the kernel's rows are the output (large batches): one select, no merge's reductions
+        out = jnp.where((kv_lens > 0)[:, None, None, None], o_parts[:, :, 0], 0.0)  # an empty row's NaN -> 0
+    else:
+        out = merge_splits(o_parts, lse_parts[..., :group])
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

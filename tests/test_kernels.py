@@ -39,6 +39,7 @@ DECODE_CASES = [
     (1, 64, 16, 64, 2, 2, [70, 0, 33]),         # a block spans 4 pages; empty padding row; 2 splits
     (4, 128, 128, 64, 3, 1, [200, 129]),        # a block is half a page
     (8, 64, 64, 64, 2, 3, [150, 0, 64, 1]),     # one page per block; splits past a row's end are empty
+    (4, 64, 16, 64, 2, 1, [40, 0, 17]),         # one split: no merge, the empty row still 0
 ]
 
 
