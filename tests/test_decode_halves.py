@@ -1,6 +1,9 @@
 """scripts/decode_variants.py's ``forward_halves``: a decode step in two interleaved half-batches (the overlap
-experiment for large batches) computes what ``forward_paged`` does, and its stream variant annotates each
-attention for a second GPU stream."""
+experiment for large batches) computes what ``forward_paged`` does, its stream variant annotates each attention
+for a second GPU stream, and a variant XLA cannot compile is a row of its own."""
+
+import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +54,6 @@ def test_the_stream_variant_puts_every_attention_on_stream_one():
 def test_a_variant_that_does_not_compile_is_a_row_and_the_others_still_run(monkeypatch, tmp_path):
     """On an H100 XLA rejected ``halves+stream`` (its stream annotation) and the script stopped with every other
     variant unmeasured; now the error is that variant's row."""
-    import json
-    import sys
-
     monkeypatch.setitem(variants.VARIANTS, "broken", ("serving", {"xla_no_such_option": True}))
     out = tmp_path / "rows.json"
     monkeypatch.setattr(sys, "argv", ["decode_variants", "--model-shape", "tiny", "--batch", "2", "--ctx", "16",

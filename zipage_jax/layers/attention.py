@@ -132,8 +132,8 @@ def default_backend_name(device) -> str:
 def mosaic_backends() -> dict:
     """Hopper: the Mosaic GPU paged decode and compression kernels (window attention, lightning redundancy,
     selection threshold, in-place compaction above ``XLA_COMPACTION_MAX_ROWS`` rows: ``compaction_by_rows``);
-    ``mosaic`` adds the ragged prefill kernel, ``mosaic_decode``
-    keeps the XLA prefill. KV write: the in-place XLA scatter."""
+    ``mosaic`` adds the ragged prefill kernel, ``mosaic_decode`` keeps the XLA prefill. KV write: the in-place XLA
+    scatter."""
     from pallas_kernels import compaction as k_compaction
     from pallas_kernels import paged_decode, ragged_prefill, redundancy
     from pallas_kernels import scoring as k_scoring
