@@ -12,8 +12,8 @@
 #       # p99 TTFT <= 2 s (H100, 2026-12-06: full KV holds 8 and not 12, compressed 16 and not 32; saturated,
 #       # 6.8 vs 9.8 req/s: 1.44x, with outputs clipped by LEN=1024 to 3.5 budgets)
 #   OUT=/tmp/out STAGE=rates POOL=1500000000 LEN=2048 RATES="6 9 12 18" REQUESTS=192 bash scripts/gpu_serving.sh
-#       # the same with outputs 4.4 budgets (less clipping): full KV's mean live context grows, compressed's
-#       # stays M + 1 pages
+#       # the same with outputs 4.1 budgets (less clipping): full KV's mean live context grows, compressed's
+#       # stays M + 1 pages (H100, 2026-12-06: full KV holds 4 req/s and not 6, compressed 12 and not 18)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
