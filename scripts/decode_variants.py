@@ -5,16 +5,15 @@
 Times the jitted forward + greedy argmax over a random-filled paged pool (Mosaic decode kernel) for:
 ``scan`` (layer-stacked weights under ``lax.scan``: the layout before the serving params), ``scan+dsf`` (the same
 with XLA's dynamic-slice fusion), ``unrolled`` (``forward_paged`` over per-layer fused weights, XLA defaults),
-``no-remat`` (rematerialization pass off), ``no-remat+cublas`` (also no Triton GEMMs: the engine's decode of 64
-rows and more), ``halves`` (the same with the rows in two interleaved halves, ``forward_halves``) and
-``halves+stream`` (their attention on a second GPU stream, for XLA to overlap with the other half's GEMMs: the
-batch-256 step ran attention and GEMMs one after the other at 63 % of the roofline). Programs compile in
-parallel; each row gets the kernel breakdown of ``zipage_jax.benchmarks.profiling``.
+``no-remat`` (rematerialization pass off) and ``no-remat+cublas`` (also no Triton GEMMs: the engine's decode of 64
+rows and more). Programs compile in parallel (a variant XLA cannot compile is an error row); each row gets the
+kernel breakdown of ``zipage_jax.benchmarks.profiling``. The rows in two interleaved half-batches, with and without
+their attention on a second stream, were measured here once and removed (BENCHMARKS.md: slower, and the stream
+variant does not compile).
 """
 
 import argparse
 import concurrent.futures
-import functools
 import json
 import time
 
@@ -27,7 +26,7 @@ from zipage_jax.benchmarks.profiling import kernel_breakdown
 from zipage_jax.layers.attention import resolve_backend
 from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
 from zipage_jax.models.rope import rope_cos_sin
-from zipage_jax.models.transformer import _fused_mlp, _fused_qkv, _mlp, _qkv, final_logits, rms_norm
+from zipage_jax.models.transformer import _mlp, _qkv, final_logits, rms_norm
 
 NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 ENGINE = {**NO_REMAT, "xla_gpu_enable_triton_gemm": False}  # what the engine compiles decode of >= 64 rows with
@@ -37,44 +36,7 @@ VARIANTS = {  # name: (layout, compiler options)
     "unrolled": ("serving", None),
     "no-remat": ("serving", NO_REMAT),
     "no-remat+cublas": ("serving", ENGINE),
-    "halves": ("halves", ENGINE),
-    "halves+stream": ("halves+stream", {**ENGINE, "xla_gpu_enable_latency_hiding_scheduler": True}),
 }
-
-
-def forward_halves(params, cfg, k_pool, v_pool, batch, backend, stream=False):
-    """``forward_paged`` for a decode step with the rows in two halves whose layers interleave.
-
-    Half A's attention of layer ``l`` waits only for half B's attention of ``l - 1`` (they share the pools, and a
-    write of one half may not pass the other's read), so it can run beside B's ``o_proj``, MLP and next QKV, and
-    the reverse: memory-bound attention beside compute-bound GEMMs, where one batch runs them one after the other.
-    ``stream``: each attention on a second GPU stream (``compute_on("gpu_stream:1")``), for XLA's latency-hiding
-    scheduler to overlap; without it, the same program order on one stream (the control).
-    """
-    from jax._src.core import MemorySpace
-    from jax.experimental.compute_on import compute_on
-
-    cos, sin = rope_cos_sin(batch.positions, cfg)
-    sm_scale, eps = cfg.head_dim ** -0.5, cfg.rms_norm_eps
-    half = batch.tokens.shape[0] // 2
-    parts = (slice(0, half), slice(half, None))
-    xs = [params.embed[batch.tokens[part]] for part in parts]
-
-    def attend(q, k_pool, v_pool, index, kv_lens, page_tables):
-        return backend.decode(q, k_pool, v_pool, index, kv_lens, page_tables, sm_scale)
-
-    if stream:
-        attend = compute_on(attend, compute_type="gpu_stream:1", out_memory_spaces=MemorySpace.Device)
-    for index, layer in enumerate(params.layers):
-        for h, part in enumerate(parts):
-            x = xs[h]
-            q, k, v = _fused_qkv(layer, cfg, params.shards, rms_norm(x, layer.input_norm, eps), cos[part], sin[part])
-            k_pool, v_pool = backend.write_kv(k_pool, v_pool, jnp.int32(index), batch.slot_mapping[part], k, v)
-            out = attend(q, k_pool, v_pool, jnp.int32(index), batch.kv_lens[part], batch.page_tables[part])
-            x = x + out.reshape(x.shape[0], cfg.q_size) @ layer.o_proj
-            xs[h] = x + _fused_mlp(layer, cfg, params.shards, x)
-    x = jnp.concatenate(xs)
-    return final_logits(params, cfg, x[batch.logits_indices]), k_pool, v_pool
 
 
 def forward_scan(params, cfg, k_pool, v_pool, batch, backend):
@@ -115,7 +77,7 @@ def main():
     num_pages = max(args.batch) * per_request + 1
     stacked = weights.init_random_params(cfg, jax.random.key(0), dtype)
     serving = to_serving(stacked)
-    params = {"stacked": stacked, "serving": serving, "halves": serving, "halves+stream": serving}
+    params = {"stacked": stacked, "serving": serving}
     if not any(VARIANTS[v][0] == "stacked" for v in args.variants):
         del params["stacked"], stacked
     pool_shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page, cfg.head_dim)
@@ -133,8 +95,7 @@ def main():
                           logits_indices=jnp.arange(b, dtype=jnp.int32))
 
     def step_fn(layout):
-        forward = {"stacked": forward_scan, "serving": forward_paged, "halves": forward_halves,
-                   "halves+stream": functools.partial(forward_halves, stream=True)}[layout]
+        forward = {"stacked": forward_scan, "serving": forward_paged}[layout]
 
         def step(params, k_pool, v_pool, batch):
             logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, backend)
