@@ -175,7 +175,12 @@ def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref,
 
 
 def merge_splits(o_parts, lse_parts):
-    """Combine per-split outputs ``[B, Hkv, splits, G, D]`` with their base-2 LSE ``[B, Hkv, splits, G]``."""
+    """Combine per-split outputs ``[B, Hkv, splits, G, D]`` with their base-2 LSE ``[B, Hkv, splits, G]``.
+
+    An empty split (lse -inf) adds nothing; a row with no keys at all comes out 0. One split (large batches) is
+    its own output: one select, none of the merge's reductions."""
+    if o_parts.shape[2] == 1:
+        return jnp.where(jnp.isfinite(lse_parts)[..., None], o_parts, 0.0)[:, :, 0]
     lse_max = jnp.max(lse_parts, axis=2, keepdims=True)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     weights = jnp.where(jnp.isfinite(lse_parts), jnp.exp2(lse_parts - lse_max), 0.0)
@@ -229,8 +234,5 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
       q_tiles, k_pool, v_pool)
-    if num_splits == 1:  # the kernel's rows are the output (large batches): one select, no merge's reductions
-        out = jnp.where((kv_lens > 0)[:, None, None, None], o_parts[:, :, 0], 0.0)  # an empty row's NaN -> 0
-    else:
-        out = merge_splits(o_parts, lse_parts[..., :group])
+    out = merge_splits(o_parts, lse_parts[..., :group])
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

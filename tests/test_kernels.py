@@ -79,6 +79,12 @@ def test_merge_splits_equals_softmax_over_all_slots():
     lses.append(np.full_like(lses[0], -np.inf))
     out = merge_splits(jnp.asarray(np.stack(parts, 1)[:, None]), jnp.asarray(np.stack(lses, 1)[:, None]))
     np.testing.assert_allclose(np.asarray(out)[:, 0], expected, rtol=1e-5, atol=1e-5)
+    # one split is its own output; a row whose only split is empty comes out 0, not NaN
+    one = merge_splits(jnp.asarray(np.stack([parts[0], parts[-1]])[:, :, None]),  # [B=2, Hkv, 1, G, D]
+                       jnp.asarray(np.stack([lses[0], lses[-1]])[:, :, None]))
+    assert one.shape == (2,) + parts[0].shape
+    np.testing.assert_array_equal(np.asarray(one)[0], parts[0])
+    assert (np.asarray(one)[1] == 0).all()
 
 
 @pytest.mark.parametrize("bad", ["head_dim", "group", "kv_lens", "block_kv"])
