@@ -91,8 +91,11 @@ def test_interleaved_solution_alternates_blocks_and_sums_both_products():
         text = p.solution()
         assert boxed_answer(text) == str(p.a * p.b + p.c * p.d), seed
         lines = text.split("\n")[:-1]
-        total = lines.pop()
-        assert total.startswith("S:") and int(total[2:][::-1]) == p.a * p.b + p.c * p.d
+        total, recall = lines.pop(), lines.pop()
+        assert total.startswith("Sum:") and int(total[4:][::-1]) == p.a * p.b + p.c * p.d
+        # the recall line: the other multiplication's last line again, so the sum adds the two lines above it
+        assert recall[0] != lines[-1][0] and recall == [line for line in lines if line[0] == recall[0]][-1]
+        assert int(total[4:][::-1]) == int(recall[4:][::-1]) + int(lines[-1][4:][::-1])
         counters = {"X": 0, "Y": 0}
         names = []
         for line in lines:
@@ -107,8 +110,8 @@ def test_interleaved_solution_alternates_blocks_and_sums_both_products():
         # the lines read after a gap: each run's last line
         ends = list(np.cumsum(runs) - 1)
         assert p.recalled_lines() == ends
-        # the conclusion: the S: line (which adds the two last lines, one of them after a gap) and the box
-        assert text.endswith(p.conclusion) and p.conclusion == "\n".join(text.split("\n")[-2:])
+        # the conclusion: the recall line (copied after a gap), the Sum: line and the box
+        assert text.endswith(p.conclusion) and p.conclusion == "\n".join(text.split("\n")[-3:])
 
 
 def test_interleaved_splits_lengths_and_bad_inputs():

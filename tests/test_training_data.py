@@ -12,7 +12,7 @@ from seeds import fresh_seed, seeded_rng
 
 def test_loss_weights_cover_the_assistant_and_weight_the_conclusion():
     """The answer weight covers what is computed once from the finished scratchpad: the boxed answer, and for
-    interleaved sums the `S:` line before it (at weight 1 it stayed at chance in the first run)."""
+    interleaved sums the recall and `Sum:` lines before it (at weight 1 the sum stayed at chance in the first run)."""
     problems = [*sample_problems(2, seed=fresh_seed(), split="train"),
                 *interleaved_sums.sample_problems(2, seed=fresh_seed(), split="train")]
     tokens, weights = encode_batch(problems, answer_weight=7.5)
@@ -22,7 +22,7 @@ def test_loss_weights_cover_the_assistant_and_weight_the_conclusion():
         ids = encode_chat(p.question, p.solution())
         assert tokens[row, : len(ids)].tolist() == ids and (tokens[row, len(ids):] == PAD_ID).all()
         text = p.solution() + "#"  # '#' stands for the closing <|im_end|>
-        first = text.rindex("S:") if row >= 2 else text.index("\\boxed")
+        first = len(text) - len("\n".join(text.split("\n")[-3:])) if row >= 2 else text.index("\\boxed")
         prompt = len(encode_chat(p.question))
         expected = np.zeros(SEQ_LEN - 1)
         for i, ch in enumerate(text):  # target position prompt + i is predicted at prompt + i - 1

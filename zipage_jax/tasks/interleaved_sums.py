@@ -3,7 +3,8 @@
 Problem: "What is A*B+C*D?" with A, C 5-digit numbers and B, D in 16..30. Reasoning: the two running sums of
 the repeated-addition task (`repeated_addition`) in alternating blocks of `BLOCK` lines, `Xkk:SSSSSSS` for
 k*A and `Ykk:SSSSSSS` for k*C (7 digits, least significant first); once one multiplication is done the other
-runs to its end; then `S:SSSSSSS`, the sum of the two last lines, and `\\boxed{A*B+C*D}`.
+runs to its end; then the conclusion: the last line of the multiplication that finished first, recalled
+(copied) from far back, `Sum:SSSSSSS`, the sum of the two lines above it, and `\\boxed{A*B+C*D}`.
 
 Why this shape: while a Y block runs, nothing reads A's digits in the prompt or the last X line, yet the next
 X block needs both, and the final sum needs the last line of the multiplication that finished first, often
@@ -84,11 +85,18 @@ class InterleavedProblem:
 
     @property
     def conclusion(self) -> str:
-        """The end of `solution()` computed once from the finished scratchpad: the `S:` line (the sum of the two
-        last lines, one of them far back) and the boxed result. Training weights it up and checks it given the
-        reference scratchpad: the `S:` line is the only step of the task that adds two scratchpad lines, and
-        it occurs once per problem against ~45 running-sum lines, so at weight 1 it went unlearned."""
-        return f"S:{_digits(self.a * self.b + self.c * self.d)}\n\\boxed{{{self.answer}}}"
+        """The end of `solution()` computed once from the finished scratchpad: the recall line (a copy of the last
+        line of the multiplication that finished first, often 150+ tokens back), the `Sum:` line (the two lines
+        above it added) and the boxed result. Why the copy: adding a line found far back in one step stayed at
+        chance in training (the sum's digits sat at ~2 nats each while every scratchpad line was right), whereas
+        copying a line by its tag and adding two adjacent lines reuse what the scratchpad already needs; the
+        recalled tokens still have to survive every eviction until the end. `Sum:` has the width of a line tag,
+        so the digits to add sit one and two lines (12 and 24 tokens) back, as the running sums' do."""
+        last = self.lines()[-1][0]
+        other, k = ("Y", self.d) if last == "X" else ("X", self.b)
+        recalled = k * (self.c if other == "Y" else self.a)
+        return (f"{other}{k:02d}:{_digits(recalled)}\nSum:{_digits(self.a * self.b + self.c * self.d)}\n"
+                f"\\boxed{{{self.answer}}}")
 
     def solution(self) -> str:
         """The reference reasoning: the interleaved running sums, then the conclusion."""

@@ -8,9 +8,9 @@ digits of the prompt (the operands) and the scratchpad lines the task reads agai
 older token with probability `p` (one draw per token and row, so a token out of the window stays hidden, as an
 evicted entry does). The other rows are
 plain causal (full KV). The conclusion's tokens (`problem.conclusion`: what is computed once from the finished
-scratchpad) carry extra loss weight: they are ~10 to ~20 of ~600 targets, yet they alone need the reversal of the
-last LSD-first sum into the MSD-first product, and for interleaved sums the addition of two scratchpad lines, one
-of them far back. (At weight 1 that `S:` line stayed at chance while the batch loss looked converged: its 7
+scratchpad) carry extra loss weight: they are ~10 to ~30 of ~600 targets, yet they alone need the reversal of the
+last LSD-first sum into the MSD-first product, and for interleaved sums the recall of a line from far back and
+the addition of two lines. (At weight 1 the sum stayed at chance while the batch loss looked converged: its 7
 digits at ln 10 each are ~0.015 of a batch mean, the plateau of the first interleaved-sums run.)
 """
 
