@@ -4,10 +4,13 @@ import functools
 import importlib.util
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.models.rope import rope_cos_sin
+from zipage_jax.models.transformer import _qkv, rms_norm
 from zipage_jax.models.weights import load_hf_weights
 
 
@@ -28,6 +31,16 @@ def checkpoint_params(engine):
     """The layer-stacked weights of the engine's checkpoint, loaded on their own for the dense oracle (the engine
     itself holds the serving layout)."""
     return _checkpoint_params(engine.config.model, engine.model_cfg, engine.dtype)
+
+
+def layer0_qk(engine, tokens, positions):
+    """Post-RoPE layer-0 queries [T, Hq, D] and keys [T, Hkv, D]: functions of token and position alone."""
+    params, cfg = checkpoint_params(engine), engine.model_cfg
+    layer = jax.tree.map(lambda x: x[0], params.layers)
+    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), cfg)
+    h = rms_norm(params.embed[jnp.asarray(tokens)], layer.input_norm, cfg.rms_norm_eps)
+    q, k, _ = _qkv(layer, cfg, h, cos, sin)
+    return np.asarray(q, np.float64), np.asarray(k, np.float64)
 
 
 def mixed_workload(rng, vocab, count, max_len):

@@ -16,14 +16,11 @@ and the window queries are those of the positions the oracle assigns them.
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params
+from helpers import layer0_qk
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.models.rope import rope_cos_sin
-from zipage_jax.models.transformer import _qkv, rms_norm
 from seeds import fresh_seed
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # 2 layers, GQA 8 q / 2 kv heads, f32
@@ -46,16 +43,6 @@ def record_compressions(llm):
 
     runner._compress_group = spy
     return events
-
-
-def layer0_qk(engine, tokens, positions):
-    """Post-RoPE layer-0 queries [T, Hq, D] and keys [T, Hkv, D]: functions of token and position alone."""
-    params, cfg = checkpoint_params(engine), engine.model_cfg
-    layer = jax.tree.map(lambda x: x[0], params.layers)
-    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), cfg)
-    h = rms_norm(params.embed[jnp.asarray(tokens)], layer.input_norm, cfg.rms_norm_eps)
-    q, k, _ = _qkv(layer, cfg, h, cos, sin)
-    return np.asarray(q, np.float64), np.asarray(k, np.float64)
 
 
 def softmax(x):
