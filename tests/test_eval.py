@@ -153,10 +153,10 @@ def test_every_engine_field_is_an_option():
     parser, names = build_parser()
     assert names == list(option_fields())  # EngineConfig's fields, the nested scoring knobs flat
     assert {"window", "eviction_policy"} < set(names) and "scoring" not in names
-    args = parser.parse_args(["--data", "d", "--no-enable-prefix-caching", "--compression", "--decay", "0.5",
+    args = parser.parse_args(["--data", "d", "--no-enable-prefix-caching", "--compression", "--decay", "0.65",
                               "--kv-budget-pages", "4", "--max-model-len", "none", "--eviction-policy", "window"])
     assert (args.enable_prefix_caching, args.compression, args.decay, args.kv_budget_pages, args.max_model_len,
-            args.eviction_policy) == (False, True, 0.5, 4, None, "window")
+            args.eviction_policy) == (False, True, 0.65, 4, None, "window")
     assert "global_score" not in vars(args)  # unset options leave the engine default in place
 
 

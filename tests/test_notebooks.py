@@ -39,6 +39,7 @@ def test_quickstart_executes(tmp_path):
                    for out in cell.outputs)
     images = sum("image/png" in out.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
                  for out in cell.outputs)
-    assert images == 3  # pages over time, accuracy versus budget, the saved sweep
+    assert images == 4  # pages over time, accuracy versus budget, the two saved sweeps
     assert "full KV" in text and "window-only eviction" in text
-    assert "| rkv-like |" in text and "| window-only |" in text  # the saved sweep's table
+    assert "| rkv-like |" in text and "| window-only |" in text  # the saved sweeps' tables
+    assert "synthetic:interleaved_sums:test:400" in text  # the second one, on both tasks
