@@ -20,7 +20,7 @@ def test_python_api_example_prints_what_the_readme_shows():
 
 def test_the_server_example_uses_the_budget_the_python_example_shows_answering_correctly():
     """The server example's compression settings are the Python example's, whose correct answers the test above
-    checks (at the tighter budget it once showed, 4 pages, the shipped model gets both questions wrong)."""
+    checks (at the tighter budget it once showed, 4 pages, the shipped model gets the second one wrong)."""
     text = README.read_text()
     python = text.split("## Python API", 1)[1]
     server = re.search(r"python -m zipage_jax\.serve [^\n]*", text.split("## Server", 1)[1]).group(0)
