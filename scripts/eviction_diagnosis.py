@@ -34,17 +34,19 @@ def line_inputs(problem, prompt_len: int) -> list[dict]:
     starts = np.cumsum([0] + [len(line) + 1 for line in text.split("\n")])[:-1]
     q = problem.question  # "What is A*B+C*D?"
     operand = {"X": q.index(" ") + 4, "Y": q.index("+") + 1}  # A after "What is ", C after "+"
+
+    def digits(line: int) -> list[int]:  # a line is "Xkk:" then 7 digits
+        return list(range(prompt_len + starts[line] + 4, prompt_len + starts[line] + 11))
+
     order, seen, rows = problem.lines(), {}, []
-    for i, (name, k) in enumerate(order):
-        first_digit = prompt_len + starts[i] + 4
-        digits = lambda j: list(range(prompt_len + starts[j] + 4, prompt_len + starts[j] + 11))  # noqa: E731
+    for i, (name, _) in enumerate(order):
         reads = {"multiplicand": [QUESTION_OFFSET + operand[name] + d for d in range(5)]}
         if i > 0:
             reads["line above"] = digits(i - 1)
         if name in seen and seen[name] != i - 1:
             reads["same name, after a gap"] = digits(seen[name])
         kind = "block start" if i > 0 and order[i - 1][0] != name else "in block"
-        rows.append(dict(kind=kind, at=first_digit, reads=reads))
+        rows.append(dict(kind=kind, at=digits(i)[0], reads=reads))
         seen[name] = i
     return rows
 

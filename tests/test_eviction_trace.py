@@ -1,4 +1,5 @@
-"""The eviction trace names the positions each (layer, KV head) holds, checked against what must and cannot be.
+"""The eviction trace names the positions each (layer, KV head) holds, checked against what must and cannot be;
+the diagnosis script built on it names the tokens each scratchpad line reads.
 
 Oracle: at layer 0 a key is a function of its token and its position alone, so the keys the pool holds after a
 compression must equal the layer-0 keys recomputed densely at the positions the trace assigns them; and every
@@ -7,9 +8,11 @@ snapshot holds exactly the budget, the protected window and the sinks, in increa
 
 import numpy as np
 
-from helpers import layer0_qk
+from helpers import layer0_qk, load_script
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.benchmarks.eviction_trace import EvictionTrace
+from zipage_jax.tasks import interleaved_sums
+from zipage_jax.tasks.tokenizer import VOCAB, encode_chat
 from seeds import fresh_seed
 
 MODEL = "tests/fixtures/hf/qwen3_untied"  # 2 layers, GQA 8 q / 2 kv heads, f32
@@ -59,3 +62,30 @@ def test_trace_positions_match_the_pool_keys_and_the_protected_slots():
         evicted = sorted(set(range(last.logical_len)) - set(last.positions[0][0].tolist()))
         assert evicted and not trace.held(rid, evicted[0], at=last.logical_len)[0, 0], seed
         assert trace.held(rid, last.logical_len, at=last.logical_len + 1).all(), seed
+
+
+def test_diagnosis_names_the_tokens_each_line_reads():
+    """`scripts/eviction_diagnosis.py`'s inputs of a line, read back as text: the multiplicand's digits in the prompt,
+    the line above, and after a block switch the same multiplication's previous line."""
+    chars = {i: c for c, i in VOCAB.items()}
+    line_inputs = load_script("eviction_diagnosis").line_inputs
+    for problem in interleaved_sums.sample_problems(4, seed=fresh_seed(), split="test"):
+        ids = encode_chat(problem.question, problem.solution())
+
+        def text(positions):
+            return "".join(chars[ids[p]] for p in positions)
+
+        lines = problem.solution().split("\n")
+        rows = line_inputs(problem, len(encode_chat(problem.question)))
+        assert len(rows) == len(problem.lines())
+        for i, row in enumerate(rows):
+            name = lines[i][0]
+            assert text([row["at"]]) == lines[i][4], problem
+            assert text(row["reads"]["multiplicand"]) == str(problem.a if name == "X" else problem.c)
+            if i:
+                assert text(row["reads"]["line above"]) == lines[i - 1][4:]
+            gap = row["reads"].get("same name, after a gap")
+            assert (gap is not None) == (row["kind"] == "block start" and f"{name}01" not in lines[i]), problem
+            if gap is not None:
+                previous = [line for line in lines[:i] if line[0] == name][-1]
+                assert text(gap) == previous[4:] and int(previous[1:3]) + 1 == int(lines[i][1:3])
