@@ -29,9 +29,9 @@ scratchpad line right and the sum of the two last lines at chance, because only 
 and the batch loss hid it; the answer weight now covers each task's whole `conclusion` and the log follows the
 conclusion's loss per task (`conclusion_loss`). With that weight the sum still plateaued at 0.46 nats a token
 (run 1 above: every scratchpad line right, the sum's middle digits wrong in ~90 % of 400 held-out problems, even
-where the two lines were adjacent), so the conclusion became a recall
-of the far line followed by the sum of two adjacent lines (`interleaved_sums.InterleavedProblem.conclusion`);
-run 2 learned it within 500 steps (conclusion loss 0.0001; held out with full KV: 100 % and 99.75 %).
+where the two lines were adjacent), so the conclusion became a recall of the far line followed by the sum of two
+adjacent lines (`interleaved_sums.InterleavedProblem.conclusion`); run 2 learned it within 500 steps (conclusion
+loss 0.0001; held out with full KV: 100 % and 99.75 %).
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
 --train-seconds) reproduces a run exactly.
