@@ -73,9 +73,9 @@ def main(argv=None):
         wrong = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
         firsts.append(wrong)
         rows.append(dict(question=pr.question, first_wrong_line=wrong, correct=out.outputs[0].text == pr.solution()))
-    n_lines = [len(pr.lines()) for pr in problems]
-    where = collections.Counter("none" if w is None else "conclusion" if w >= n else
-                                line_inputs(pr, 0)[w]["kind"] for w, n, pr in zip(firsts, n_lines, problems))
+    inputs = [line_inputs(pr, len(prompt)) for pr, prompt in zip(problems, prompts)]
+    where = collections.Counter("none" if w is None else "conclusion" if w >= len(lines) else lines[w]["kind"]
+                                for w, lines in zip(firsts, inputs))
     print(f"{args.problems} problems, budget {args.budget} pages of 16, {overrides or 'defaults'}: "
           f"{sum(r['correct'] for r in rows)} correct; first wrong line: {dict(where)}")
     print("first wrong line index:", dict(sorted(collections.Counter(w for w in firsts if w is not None).items())))
@@ -84,14 +84,13 @@ def main(argv=None):
     print("\n| line | outcome | n | " + " | ".join(["multiplicand", "line above", "same name, after a gap"]) +
           " | gap line by layer |")
     print("|---|---|---:|---:|---:|---:|---|")
-    for line in sorted({w for w in firsts if w is not None and w < min(n_lines)}):
+    for line in sorted({w for w in firsts if w is not None and w < min(map(len, inputs))}):
         for outcome in ("wrong here", "right here"):
             chosen = [j for j, w in enumerate(firsts) if (w == line) == (outcome == "wrong here")
                       and (w is None or w >= line)]
             shares = collections.defaultdict(list)
             for j in chosen:
-                pr, rid = problems[j], outputs[j].request_id
-                info = line_inputs(pr, len(encode_chat(pr.question)))[line]
+                rid, info = outputs[j].request_id, inputs[j][line]
                 for name, positions in info["reads"].items():
                     held = np.stack([trace.held(f"{rid}-0", q, info["at"]) for q in positions])  # [tokens, L, H]
                     shares[name].append(held.mean(axis=(0, 2)))  # per layer: share of (token, head) held

@@ -62,12 +62,9 @@ class EvictionTrace:
         """[layers, heads] bool: whether each (layer, head) holds ``position`` when the token at logical position
         ``at`` is computed (after the last compression of a length ≤ ``at``; all tokens before the first)."""
         history = [s for s in self.snapshots.get(request_id, []) if s.logical_len <= at]
-        if not history:
+        if not history or position >= history[-1].logical_len:  # computed since: not yet evicted
             return np.full(self._shape(request_id), position < at)
-        last = history[-1]
-        if position >= last.logical_len:  # computed after that compression: not yet evicted
-            return np.full(self._shape(request_id), position < at)
-        return np.array([[position in set(p.tolist()) for p in row] for row in last.positions])
+        return np.array([[position in held for held in row] for row in history[-1].positions])
 
     def _shape(self, request_id: str) -> tuple[int, int]:
         history = self.snapshots.get(request_id)
