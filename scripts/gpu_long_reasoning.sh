@@ -14,7 +14,9 @@
 # timeout 590 stops the command whatever happens. MODES="compressed" BUDGET=300: compressed mode alone (its compression
 # share, say), in half the time. In $OUT: long_reasoning.json (rewritten after each mode),
 # long_reasoning.png (throughput with the steady windows shaded, requests, occupancy, pages per request) and
-# long_reasoning.log (everything printed; its tail is echoed here).
+# long_reasoning.log (everything printed; its tail is echoed here). PEER=1: first HF transformers' continuous batching
+# on the same first SEQS requests (aged too), its window PEER_SECONDS (80) long, in a subprocess before jax starts;
+# the modes then share what is left of BUDGET.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # the loop a little above compressed mode's capacity (pool / (M+1): ~322 on an H200, ~159 on an 80 GB card), so that
@@ -22,9 +24,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 SEQS=${SEQS:-$([ "${memory_mib:-0}" -gt 100000 ] && echo 384 || echo 192)}
 echo "card memory ${memory_mib} MiB: a closed loop of $SEQS"
+peer=()
+[ "${PEER:-0}" = 1 ] && peer=(--peer hf --peer-requests "$SEQS" --peer-duration "${PEER_SECONDS:-80}" --peer-timeout 200)
 aged=()
 [ "${AGED:-1}" = 1 ] && aged=(--aged-start --max-num-batched-tokens 8192)
 timeout 590 python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b "${aged[@]}" \
-  --modes ${MODES:-full compressed} --gpu-memory-utilization 0.9 --max-num-seqs "$SEQS" --concurrency "$SEQS" \
+  "${peer[@]}" --modes ${MODES:-full compressed} --gpu-memory-utilization 0.9 --max-num-seqs "$SEQS" --concurrency "$SEQS" \
   --time-budget "${BUDGET:-540}" --sample-interval-s 1 \
-  --json "$OUT/long_reasoning.json" --png "$OUT/long_reasoning.png" 2>&1 | tee "$OUT/long_reasoning.log" | tail -16
+  --json "$OUT/long_reasoning.json" --png "$OUT/long_reasoning.png" 2>&1 | tee "$OUT/long_reasoning.log" | tail -18

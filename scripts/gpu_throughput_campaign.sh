@@ -4,6 +4,7 @@
 #   OUT=/tmp/out STAGE=reasoning bash scripts/gpu_throughput_campaign.sh   # full vs compressed vs hybrid admission + HF peer
 #   OUT=/tmp/out STAGE=mixed     bash scripts/gpu_throughput_campaign.sh   # admission matters: all three admissions
 #   OUT=/tmp/out STAGE=prefix    bash scripts/gpu_throughput_campaign.sh   # prefix caching matters
+#   OUT=/tmp/out STAGE=workloads bash scripts/gpu_throughput_campaign.sh  # mixed then prefix, full vs compressed
 #   OUT=/tmp/out STAGE=default-budget bash scripts/gpu_throughput_campaign.sh  # M=8 pages of 256, 80 GB-card pool
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
@@ -20,6 +21,8 @@ case "${STAGE:?set STAGE}" in
   mixed) run mixed 570 --workload mixed "${small[@]}" --duration 30 \
            --modes full compressed compressed-hybrid compressed-constrained ;;
   prefix) run prefix 570 --workload prefix "${small[@]}" --duration 40 ;;
+  workloads) run mixed 280 --workload mixed "${small[@]}" --duration 30
+             run prefix 290 --workload prefix "${small[@]}" --duration 40 ;;
   default-budget) run default_budget 570 --workload reasoning --page-size 256 --kv-budget-pages 8 --duration 120 ;;
   *) echo "unknown STAGE $STAGE"; exit 2 ;;
 esac

@@ -117,6 +117,19 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
     assert "tokens_per_s" not in result and result["error"]
 
 
+def test_the_peer_steady_rate_leaves_out_its_ramp():
+    """Slow for 4 s (admission, prefill), then 100 tok/s: the second half's rate is the steady one."""
+    from zipage_jax.benchmarks.hf_peer import second_half_rate
+
+    samples = [dict(time_s=t, generated=5 * t if t <= 4 else 20 + 100 * (t - 4)) for t in range(11)]
+    assert second_half_rate(samples) == pytest.approx(100.0)
+    assert second_half_rate([dict(time_s=0.0, generated=0)]) is None
+    peer = dict(tokens_per_s=62.0, tokens_per_s_second_half=100.0)
+    full = dict(mode="full", tokens_per_s=1000.0, steady_tokens_per_s=1500.0)
+    assert throughput.ratios([full], peer) == {"full / hf peer (steady)": pytest.approx(1000 / 62),
+                                               "full steady window / hf peer second half": pytest.approx(15.0)}
+
+
 def test_admission_modes_run_compressed_under_that_admission_and_are_compared(monkeypatch):
     built, calls = [], []
 

@@ -37,6 +37,15 @@ def build_model(spec):
         return Qwen3ForCausalLM(config)
 
 
+def second_half_rate(samples: list[dict]) -> float | None:
+    """Tokens a second over the window's second half (``samples``: time_s, generated; the last one is the
+    window's end): the peer's steady rate, without its admission and prefill ramp."""
+    end = samples[-1]
+    half = next(s for s in samples if s["time_s"] >= end["time_s"] / 2)
+    seconds = end["time_s"] - half["time_s"]
+    return (end["generated"] - half["generated"]) / seconds if seconds > 0 else None
+
+
 def run(spec) -> dict:
     import inspect
 
@@ -80,11 +89,13 @@ def run(spec) -> dict:
                 samples.append(dict(time_s=now, generated=sum(counts.values())))
         wall = time.perf_counter() - t0
         tokens = sum(counts.values())
+        samples.append(dict(time_s=wall, generated=tokens))
         return dict(name="hf", transformers_version=transformers.__version__, torch_version=torch.__version__,
                     attn_implementation=model.config._attn_implementation,
                     device=torch.cuda.get_device_name() if model.device.type == "cuda" else str(model.device),
                     init_s=init_s, startup_s=ready_s, generation_s=wall, generated_tokens=tokens,
                     requests=len(spec["prompts"]), requests_finished=finished, tokens_per_s=tokens / wall,
+                    tokens_per_s_second_half=second_half_rate(samples),
                     tokens_per_s_incl_startup=tokens / (ready_s + wall), history=samples)
 
 

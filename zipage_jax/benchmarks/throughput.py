@@ -437,8 +437,10 @@ def format_report(report: dict) -> str:
     lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]
     peer = report.get("peer")
     if peer:
-        lines.append(f"peer {peer.get('name')}: " + (f"{peer['tokens_per_s']:.1f} tok/s, {peer['generated_tokens']} "
-                                                    f"tokens in {peer['generation_s']:.1f}s ({peer['requests']} requests)"
+        lines.append(f"peer {peer.get('name')}: " + (f"{peer['tokens_per_s']:.1f} tok/s ("
+                                                    f"{peer.get('tokens_per_s_second_half') or 0:.1f} over the second "
+                                                    f"half), {peer['generated_tokens']} tokens in "
+                                                    f"{peer['generation_s']:.1f}s ({peer['requests']} requests)"
                                                     if "tokens_per_s" in peer else f"failed: {peer.get('error')}"))
     return "\n".join(lines)
 
@@ -461,6 +463,9 @@ def ratios(results: list, peer: dict | None) -> dict:
             out[f"compressed / {other} (steady)"] = by["compressed"]["tokens_per_s"] / by[other]["tokens_per_s"]
     if peer and peer.get("tokens_per_s") and "full" in by:
         out["full / hf peer (steady)"] = by["full"]["tokens_per_s"] / peer["tokens_per_s"]
+        full_steady, peer_steady = by["full"].get("steady_tokens_per_s"), peer.get("tokens_per_s_second_half")
+        if full_steady and peer_steady:  # both at their steady state: the engine's window, the peer's second half
+            out["full steady window / hf peer second half"] = full_steady / peer_steady
     return out
 
 
