@@ -2,8 +2,8 @@
 
 The work items are (query tile, KV head) pairs. An item's 128 rows stack the query heads of the KV head's GQA
 group (or a slab of them, see ``gqa_tiling``) head-major over ``tile_tokens`` consecutive tokens of one
-request, so every KV block it loads serves all of them. The kernel is persistent: one CTA per SM runs items
-``cta, cta + num_ctas, ...``. Three warpgroups: a producer issues the TMA loads of the KV blocks from the pages
+request, so every KV block it loads serves all of them. The kernel is persistent: one CTA per SM runs its share
+of the items (see the item order below). Three warpgroups: a producer issues the TMA loads of the KV blocks from the pages
 the page table names (``num_stages`` blocks in flight, running on into the next item; a block spanning several
 small pages is one copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the online
 softmax and ``p @ v`` on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax overlaps
@@ -17,7 +17,14 @@ start on 8-aligned packed rows (the swizzled TMA box of the query tile needs it)
 begin up to 7 rows early. Each warpgroup writes its rows straight to their packed places: through an unswizzled
 staging buffer, as TMA boxes cut (in power-of-two row counts) to the rows that are the tile's own, so
 neighbouring requests' rows are never touched. The padding rows past ``cu_q_lens[R]`` are tiles with no KV:
-they write zeros. The tiles of each request run last-first, so the longest items start first.
+they write zeros.
+
+Item order: the tiles are sorted by their KV block count, most first (a request's tiles, cut last-first, stay
+together among equal counts), their slabs side by side, and dealt in snake order: round ``k`` gives items
+``[k num_ctas, (k + 1) num_ctas)`` to CTAs ``0, 1, ...`` when ``k`` is even and ``..., 1, 0`` when odd, so the
+round that gives a CTA the larger items of its round gives it the smaller ones of the next. The busiest CTA ends
+within ~0.5 % of the mean on the bench's ragged prompts, where round-robin over the tiles as cut (the
+``balanced_order=False`` form) left it ~6 % above (scripts/prefill_work_model.py).
 """
 
 import functools
@@ -133,6 +140,49 @@ def _issue_kv(ref, smem, barrier, page_tables_ref, request, layer, kv_head, bloc
         plgpu.copy_gmem_to_smem(ref.at[layer, page, kv_head], smem.at[pl.ds(j * page_size, page_size)], barrier)
 
 
+def tile_span(row0, chunk_start, chunk_end, kv_len, *, tile_tokens, block_kv):
+    """``(pos0, first, end, last_pos, num_blocks, unmasked)`` of the tile whose token 0 is packed row ``row0``:
+    token 0's position, the tile's own tokens ``[first, end)``, the last own token's position, the KV blocks it
+    runs and how many of them lie wholly below every own token's position (run unmasked). Kernel scalars or jnp
+    arrays of tiles alike, so the kernel and the item order outside it count the same blocks."""
+    pos0 = kv_len - (chunk_end - chunk_start) + (row0 - chunk_start)
+    first = jnp.clip(chunk_start - row0, 0, tile_tokens)
+    end = jnp.clip(chunk_end - row0, 0, tile_tokens)
+    last_pos = jnp.minimum(pos0 + end - 1, kv_len - 1)
+    num_blocks = jnp.where(end > first, jnp.maximum(last_pos + 1, 0) + block_kv - 1, 0) // block_kv
+    unmasked = jnp.clip(jnp.maximum(pos0 + first + 1, 0) // block_kv, 0, num_blocks)
+    return pos0, first, end, last_pos, num_blocks, unmasked
+
+
+def balanced_tiles(tile_request, tile_row, bounds, kv_lens, *, tile_tokens, block_kv):
+    """The tiles reordered by their KV block count, most first; ties keep their order (a request's tiles stay
+    together, last-first, for the KV they share in L2). Dealt in snake order (``cta_item``), each round's largest
+    item goes to the CTA the previous round gave its smallest, so the CTAs' loads end nearly even (round-robin
+    over the tiles of ragged requests leaves the busiest CTA ~6 % above the mean: scripts/prefill_work_model.py).
+
+    ``bounds [R + 2]`` and ``kv_lens [R + 1]``: the kernel's tables, the padding chunk included."""
+    blocks = tile_span(tile_row, bounds[tile_request], bounds[tile_request + 1], kv_lens[tile_request],
+                       tile_tokens=tile_tokens, block_kv=block_kv)[4]
+    order = jnp.argsort(blocks, descending=True, stable=True)
+    return tile_request[order], tile_row[order]
+
+
+def cta_item(cta, k, num_ctas, snake):
+    """The index of the ``k``-th item of CTA ``cta``: round ``k`` deals items ``[k num_ctas, (k + 1) num_ctas)``
+    to CTAs 0, 1, ... (round-robin), or with ``snake`` in odd rounds to CTAs ..., 1, 0."""
+    if not snake:
+        return k * num_ctas + cta
+    return k * num_ctas + jnp.where(lax.rem(k, 2) == 0, cta, num_ctas - 1 - cta)
+
+
+def cta_item_count(cta, num_items, num_ctas, snake):
+    """How many of the ``num_items`` items ``cta_item`` deals CTA ``cta``: the whole rounds, and one of the last
+    partial round when it reaches that CTA (the first CTAs in an even round, the last ones in an odd one)."""
+    rounds, rest = divmod(num_items, num_ctas)
+    gets_one = cta >= num_ctas - rest if snake and rounds % 2 else cta < rest
+    return rounds + jnp.where(gets_one, 1, 0)
+
+
 class _Item:
     """One work item of a CTA, a (query tile, head slab) pair, read off the tile tables: its request, rows,
     positions and the KV blocks it runs (the scalars every warpgroup derives the same way)."""
@@ -144,30 +194,25 @@ class _Item:
         self.layer = layer_ref[0]
         self.request = tile_request_ref[tile]
         self.row0 = tile_row_ref[tile]  # packed row of the tile's token 0 (a multiple of 8)
-        chunk_start, chunk_end = bounds_ref[self.request], bounds_ref[self.request + 1]
         self.kv_len = kv_lens_ref[self.request]
-        self.pos0 = self.kv_len - (chunk_end - chunk_start) + (self.row0 - chunk_start)  # token 0's position
-        self.first = jnp.clip(chunk_start - self.row0, 0, tile_tokens)  # the tile's own tokens: [first, end)
-        self.end = jnp.clip(chunk_end - self.row0, 0, tile_tokens)
-        last_pos = lax.min(self.pos0 + self.end - 1, self.kv_len - 1)
-        self.num_blocks = jnp.where(self.end > self.first, lax.max(last_pos + 1, 0) + block_kv - 1, 0) // block_kv
-        # Blocks wholly below every own token's position run unmasked.
-        self.unmasked = jnp.clip(lax.max(self.pos0 + self.first + 1, 0) // block_kv, 0, self.num_blocks)
+        self.pos0, self.first, self.end, _, self.num_blocks, self.unmasked = tile_span(
+            self.row0, bounds_ref[self.request], bounds_ref[self.request + 1], self.kv_len,
+            tile_tokens=tile_tokens, block_kv=block_kv)
 
 
 def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
                     k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
                     v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
-                    sm_scale, block_kv, num_stages, page_size, p_in_registers):
+                    snake, sm_scale, block_kv, num_stages, page_size, p_in_registers):
     cta = lax.axis_index("c")
     wg = lax.axis_index("wg")
-    my_items = (num_items - cta + num_ctas - 1) // num_ctas  # items cta, cta + num_ctas, ...
+    my_items = cta_item_count(cta, num_items, num_ctas, snake)
     runs = warpgroup_runs(heads, tile_tokens)
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     refs = (layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref)
 
     def item(k):
-        return _Item(cta + k * num_ctas, refs, num_slabs=num_slabs, slabs=slabs, heads=heads,
+        return _Item(cta_item(cta, k, num_ctas, snake), refs, num_slabs=num_slabs, slabs=slabs, heads=heads,
                      tile_tokens=tile_tokens, block_kv=block_kv)
 
     def schedule_barrier():
@@ -367,12 +412,14 @@ def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profil
     return (tiles + kv + p) * itemsize + profile
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "interpret",
-                                             "profile_dir"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "balanced_order",
+                                             "interpret", "profile_dir"))
 def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=128,
-                   num_stages=2, num_ctas=None, interpret=False, profile_dir=None):
+                   num_stages=2, num_ctas=None, balanced_order=True, interpret=False, profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
     ``ragged_prefill_ref``. ``num_ctas``: persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
+    ``balanced_order``: the tiles sorted by their KV blocks and dealt in snake order (``balanced_tiles``), else
+    round-robin in the order ``query_tiles`` cuts them (the previous form, kept to time against).
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
     makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
     qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
@@ -388,7 +435,12 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     group = num_q_heads // num_kv_heads
     heads, tile_tokens = gqa_tiling(group)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
+    bounds = jnp.append(cu_q_lens, num_tokens)  # the padding rows are one more chunk, with no KV
+    kv_lens = jnp.append(kv_lens.astype(jnp.int32), 0)
     tile_request, tile_row = query_tiles(cu_q_lens, num_tokens, tile_tokens)
+    if balanced_order:
+        tile_request, tile_row = balanced_tiles(tile_request, tile_row, bounds, kv_lens, tile_tokens=tile_tokens,
+                                                block_kv=block_kv)
     # The swizzled query box needs a whole number of 8-row tiles (rows past T are zero-filled by the TMA unit;
     # interpret mode has no such unit, so it gets them as padding).
     pad = -num_tokens % ROW_ALIGN + (tile_tokens if interpret else 0)
@@ -402,7 +454,7 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     num_ctas = min(num_ctas, num_items)
     kernel = functools.partial(
         _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, num_slabs=num_slabs,
-        num_items=num_items, num_ctas=num_ctas, sm_scale=float(sm_scale), block_kv=block_kv,
+        num_items=num_items, num_ctas=num_ctas, snake=balanced_order, sm_scale=float(sm_scale), block_kv=block_kv,
         num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
     copies = max(block_kv // page_size, 1)
     wg_tiles = (CONSUMERS, WG_ROWS, head_dim)
@@ -430,6 +482,5 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
         compiler_params=plgpu.CompilerParams(approx_math=True, profile_space=profile_space,
                                              profile_dir=profile_dir or "", profile_bounds_check=bool(profile_dir)),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.append(cu_q_lens, num_tokens),
-      jnp.append(kv_lens.astype(jnp.int32), 0), page_tables.astype(jnp.int32), tile_request, tile_row, q_padded,
-      k_pool, v_pool)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), bounds, kv_lens, page_tables.astype(jnp.int32), tile_request,
+      tile_row, q_padded, k_pool, v_pool)

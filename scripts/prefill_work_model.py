@@ -5,9 +5,8 @@
 For each `pallas_kernels.bench` prefill case (the same lengths) and Qwen3-8B's heads (32 q / 8 kv: items of
 32 tokens x 4 query heads, per `ragged_prefill.gqa_tiling`), it counts what `ragged_prefill` runs: the work items,
 their KV blocks (`block_kv` 128), the share of blocks that are diagonal (masked), the keys computed against the
-causal ones, and the load of the busiest persistent CTA against the mean when items go round-robin
-(`cta, cta + num_ctas, ...`, the kernel's order) or longest-first to the least loaded CTA. Costs count KV blocks
-only, so per-item overheads (query loads, stores, pipeline fill) come on top of what it shows.
+causal ones, and the load of the busiest persistent CTA against the mean for each order of `cta_loads`. Costs
+count KV blocks only, so per-item overheads (query loads, stores, pipeline fill) come on top of what it shows.
 """
 
 import argparse
@@ -35,15 +34,30 @@ def items_of(lengths, tile_tokens, block_kv, num_slabs):
     return np.array(blocks), masked, computed, causal
 
 
-def busiest_over_mean(costs, num_ctas, longest_first):
-    if not longest_first:
-        loads = np.array([costs[c::num_ctas].sum() for c in range(num_ctas)])
-    else:
+ORDERS = ("round-robin", "balanced", "longest-first")
+
+
+def cta_loads(costs, num_ctas, order):
+    """Each persistent CTA's summed cost of the items (``costs`` in the kernel's tile order) dealt ``round-robin``
+    (``cta, cta + num_ctas, ...``: ``ragged_prefill(balanced_order=False)``), ``balanced`` (sorted most first and
+    dealt in snake order, round ``k`` to CTAs 0, 1, ... when even and ..., 1, 0 when odd: the kernel's default),
+    or ``longest-first`` to the least loaded CTA (greedy, near ideal, needs a running queue the kernel has not)."""
+    costs = np.asarray(costs)
+    if order == "longest-first":
         heap = [(0, c) for c in range(num_ctas)]
         for cost in sorted(costs, reverse=True):
             load, cta = heapq.heappop(heap)
             heapq.heappush(heap, (load + cost, cta))
-        loads = np.array([load for load, _ in heap])
+        return np.array([load for _, load in sorted((cta, load) for load, cta in heap)])
+    rounds, place = np.divmod(np.arange(len(costs)), num_ctas)
+    if order == "balanced":
+        costs = np.sort(costs)[::-1]
+        place = np.where(rounds % 2, num_ctas - 1 - place, place)
+    return np.bincount(place, weights=costs, minlength=num_ctas)
+
+
+def busiest_over_mean(costs, num_ctas, order):
+    loads = cta_loads(costs, num_ctas, order)
     return loads.max() / loads.mean()
 
 
@@ -58,13 +72,14 @@ def main(argv=None):
     heads, tile_tokens = gqa_tiling(args.q_heads // args.kv_heads)
     num_slabs = args.q_heads // heads
     print(f"items of {tile_tokens} tokens x {heads} query heads, KV blocks of {args.block_kv}, {args.ctas} CTAs")
+    print("busiest CTA / mean per order:")
     print(f"{'case':>14} {'items':>7} {'blocks/item':>11} {'diagonal':>8} {'computed/causal':>15} "
-          f"{'round-robin':>11} {'longest-first':>13}")
+          + " ".join(f"{order:>13}" for order in ORDERS))
     for case in args.cases:
         blocks, masked, computed, causal = items_of(prefill_lengths(case), tile_tokens, args.block_kv, num_slabs)
         print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {masked / blocks.sum():>8.1%} "
-              f"{computed / causal:>15.3f} {busiest_over_mean(blocks, args.ctas, False):>11.3f} "
-              f"{busiest_over_mean(blocks, args.ctas, True):>13.3f}")
+              f"{computed / causal:>15.3f} "
+              + " ".join(f"{busiest_over_mean(blocks, args.ctas, order):>13.3f}" for order in ORDERS))
 
 
 if __name__ == "__main__":

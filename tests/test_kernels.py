@@ -13,11 +13,13 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.bench import prefill_lengths
 from pallas_kernels.paged_decode import merge_splits, paged_decode
-from pallas_kernels.ragged_prefill import gqa_tiling, query_tiles, ragged_prefill, warpgroup_runs
+from pallas_kernels.ragged_prefill import (balanced_tiles, cta_item, cta_item_count, gqa_tiling, query_tiles,
+                                           ragged_prefill, tile_span, warpgroup_runs)
 from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
-from helpers import assert_close, shuffled_page_tables
+from helpers import assert_close, load_script, shuffled_page_tables
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
@@ -107,17 +109,21 @@ def test_paged_decode_rejects_bad_input(bad):
         paged_decode(q, k_pool, v_pool, 0, lens, tables, 0.1, interpret=INTERPRET, **kwargs)
 
 
+OLD_ORDER = dict(balanced_order=False)  # the previous form: round-robin over the tiles as cut
 PREFILL_CASES = [
-    # group, head_dim, page_size, block_kv, CTAs, q_lens, kv_lens, padding rows; the race detector on the first
-    (4, 64, 16, 64, 2, [70, 0, 5], [90, 3, 5], 5),   # chunk behind a prefix; idle request; chunk at unaligned row 70
-    (1, 128, 64, 64, 1, [3, 70], [130, 70], 0),      # one head: a 128-token tile split across the warpgroups
-    (8, 64, 128, 64, 3, [40, 1], [40, 200], 3),      # block inside a page; single-token chunk at position 199
-    (5, 64, 32, 128, 4, [30, 17], [30, 60], 2),      # odd group: 5 heads x 24 tokens; a block spans 4 pages
+    # group, head_dim, page_size, block_kv, CTAs, q_lens, kv_lens, padding rows, options; the race detector on the
+    # first
+    (4, 64, 16, 64, 2, [70, 0, 5], [90, 3, 5], 5, {}),   # chunk behind a prefix; idle request; chunk at row 70
+    (1, 128, 64, 64, 1, [3, 70], [130, 70], 0, {}),      # one head: a 128-token tile split across the warpgroups
+    (8, 64, 128, 64, 3, [40, 1], [40, 200], 3, {}),      # block inside a page; single-token chunk at position 199
+    (5, 64, 32, 128, 4, [30, 17], [30, 60], 2, {}),      # odd group: 5 heads x 24 tokens; a block spans 4 pages
+    (4, 64, 16, 64, 3, [70, 0, 5], [90, 3, 5], 5, OLD_ORDER),
 ]
 
 
-@pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_ctas,q_lens,kv_lens,padding", PREFILL_CASES)
-def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding):
+@pytest.mark.parametrize("group,head_dim,page_size,block_kv,num_ctas,q_lens,kv_lens,padding,options", PREFILL_CASES)
+def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding,
+                                          options):
     """Each persistent CTA runs several (tile, head slab) items, its KV pipeline going on across them."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -131,13 +137,14 @@ def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, 
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     lens = jnp.asarray(kv_lens, jnp.int32)
     scale = head_dim ** -0.5
-    races = PREFILL_CASES.index((group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding)) == 0
+    races = PREFILL_CASES.index((group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding,
+                                 options)) == 0
     interpret = INTERPRET
     if races:
         gpu_interpret.reset_gpu_interpret_mode_state()
         interpret = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
     out = ragged_prefill(q, k_pool, v_pool, layer, cu, lens, tables, scale, block_kv=block_kv, num_ctas=num_ctas,
-                         interpret=interpret)
+                         interpret=interpret, **options)
     ref = ragged_prefill_ref(q, k_pool, v_pool, layer, cu, lens, tables, scale)
     assert_close(out, ref, seed)
     assert (np.asarray(out, np.float32)[sum(q_lens):] == 0).all()
@@ -160,6 +167,51 @@ def test_query_tiles_cover_every_row_once_last_tile_first():
     for r in range(len(q_lens) + 1):  # a chunk's tiles run last-first
         rows = tile_row[(tile_request == r) & (tile_row < num_tokens)]
         assert (np.diff(rows) < 0).all()
+
+
+@pytest.mark.parametrize("snake", [False, True])
+def test_cta_items_deal_every_item_to_one_cta(snake):
+    for num_ctas in range(1, 7):
+        for num_items in range(num_ctas, 4 * num_ctas + 2):
+            dealt = []
+            for cta in range(num_ctas):
+                count = int(cta_item_count(jnp.int32(cta), num_items, num_ctas, snake))
+                dealt += [int(cta_item(jnp.int32(cta), jnp.int32(k), num_ctas, snake)) for k in range(count)]
+            assert sorted(dealt) == list(range(num_items)), (num_ctas, num_items)
+    # the snake: round 1 runs backwards
+    assert [int(cta_item(jnp.int32(c), jnp.int32(1), 3, snake)) for c in range(3)] == ([5, 4, 3] if snake
+                                                                                       else [3, 4, 5])
+
+
+def test_balanced_order_evens_the_bench_ragged_case():
+    """The tiles sorted by KV blocks and dealt in snake order: the busiest of 132 CTAs near the greedy
+    longest-first's (scripts/prefill_work_model.py), where round-robin over the tiles as cut is ~5 % above."""
+    lengths = prefill_lengths("64x128-2048")
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    num_tokens, tile_tokens, block_kv, num_slabs, num_ctas = int(cu[-1]) + 5, 32, 128, 8, 132
+    bounds, kv_lens = jnp.append(cu, num_tokens), jnp.append(jnp.asarray(lengths), 0)
+    tiles = query_tiles(cu, num_tokens, tile_tokens)
+    ordered = balanced_tiles(*tiles, bounds, kv_lens, tile_tokens=tile_tokens, block_kv=block_kv)
+    assert sorted(zip(*map(np.asarray, tiles))) == sorted(zip(*map(np.asarray, ordered)))
+
+    def item_blocks(tile_request, tile_row):
+        blocks = tile_span(tile_row, bounds[tile_request], bounds[tile_request + 1], kv_lens[tile_request],
+                           tile_tokens=tile_tokens, block_kv=block_kv)[4]
+        return np.repeat(np.asarray(blocks), num_slabs)  # a tile's slabs side by side
+
+    def busiest_over_mean(blocks, snake):
+        ctas = jnp.arange(num_ctas)[:, None]
+        rounds = jnp.arange(-(-len(blocks) // num_ctas))[None]
+        items = np.asarray(cta_item(ctas, rounds, num_ctas, snake))
+        dealt = np.asarray(rounds < cta_item_count(ctas, len(blocks), num_ctas, snake))
+        loads = np.where(dealt, blocks[np.where(dealt, items, 0)], 0).sum(1)
+        return loads.max() / loads.mean()
+
+    balanced = item_blocks(*ordered)
+    assert (np.diff(balanced) <= 0).all()
+    greedy = load_script("prefill_work_model").busiest_over_mean(balanced, num_ctas, "longest-first")
+    assert busiest_over_mean(balanced, snake=True) < min(1.01, greedy + 0.01)
+    assert busiest_over_mean(item_blocks(*tiles), snake=False) > 1.04
 
 
 @pytest.mark.parametrize("group", range(1, 33))
