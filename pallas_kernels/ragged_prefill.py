@@ -3,14 +3,17 @@
 The work items are (query tile, KV head) pairs. An item's 128 rows stack the query heads of the KV head's GQA
 group (or a slab of them, see ``gqa_tiling``) head-major over ``tile_tokens`` consecutive tokens of one
 request, so every KV block it loads serves all of them. The kernel is persistent: one CTA per SM runs its share
-of the items (see the item order below). Three warpgroups: a producer issues the TMA loads of the KV blocks from the pages
-the page table names (``num_stages`` blocks in flight, running on into the next item; a block spanning several
-small pages is one copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the online
-softmax and ``p @ v`` on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax overlaps
-the other's matmuls; each loads the next item's queries while it writes the current one's output. Query ``i``
-of request ``r`` sits at position ``kv_lens[r] - q_len + i`` and sees the request's cached prefix plus the
-earlier rows of its own chunk: KV blocks wholly below the tile's first position run unmasked, the diagonal
-blocks masked, and blocks past the tile's last position are never loaded.
+of the items (the item order below). Three warpgroups: a producer issues the TMA loads of the KV blocks from the
+pages the page table names (``num_stages`` blocks in flight, running on into the next item; a block spanning
+several small pages is one copy per page), and two consumer warpgroups of 64 rows each run ``q @ k^T``, the
+online softmax and ``p @ v`` on the tensor cores, ping-ponging on a shared barrier so one warpgroup's softmax
+overlaps the other's matmuls; each loads the next item's queries while it writes the current one's output.
+Query ``i`` of request ``r`` sits at position ``kv_lens[r] - q_len + i`` and sees the request's cached prefix
+plus the earlier rows of its own chunk: KV blocks wholly below the tile's first position run unmasked, the
+diagonal blocks masked, and blocks past the tile's last position are never loaded. With blocks of 128 keys, the
+last block runs at half width (``q @ k^T``, softmax and ``p @ v`` over its first 64 keys, in a loop of its own
+of trip count 0 or 1) when the tile's last position is in its first half: on prompts of ~1k tokens, whose items
+run ~6 blocks, that diagonal block is one in six, and half of the tiles need only its first half.
 
 Tiles are cut per request (many short prompts cost what one long one does, up to one partial tile each) and
 start on 8-aligned packed rows (the swizzled TMA box of the query tile needs it), so a request's first tile may
@@ -22,8 +25,8 @@ they write zeros.
 Item order: the tiles are sorted by their KV block count, most first (a request's tiles, cut last-first, stay
 together among equal counts), their slabs side by side, and dealt in snake order: round ``k`` gives items
 ``[k num_ctas, (k + 1) num_ctas)`` to CTAs ``0, 1, ...`` when ``k`` is even and ``..., 1, 0`` when odd, so the
-round that gives a CTA the larger items of its round gives it the smaller ones of the next. The busiest CTA ends
-within ~0.5 % of the mean on the bench's ragged prompts, where round-robin over the tiles as cut (the
+CTA that got the largest item of one round gets the smallest of the next. The busiest CTA's blocks end within
+~0.5 % of the mean on the bench's ragged prompts, where round-robin over the tiles as cut (the
 ``balanced_order=False`` form) left it ~6 % above (scripts/prefill_work_model.py).
 """
 
@@ -187,7 +190,7 @@ class _Item:
     """One work item of a CTA, a (query tile, head slab) pair, read off the tile tables: its request, rows,
     positions and the KV blocks it runs (the scalars every warpgroup derives the same way)."""
 
-    def __init__(self, index, refs, *, num_slabs, slabs, heads, tile_tokens, block_kv):
+    def __init__(self, index, refs, *, num_slabs, slabs, heads, tile_tokens, block_kv, narrow_keys):
         layer_ref, bounds_ref, kv_lens_ref, tile_request_ref, tile_row_ref = refs
         tile, slab = index // num_slabs, index % num_slabs  # the slabs of one tile run side by side
         self.kv_head, self.head0 = slab // slabs, slab * heads
@@ -195,15 +198,18 @@ class _Item:
         self.request = tile_request_ref[tile]
         self.row0 = tile_row_ref[tile]  # packed row of the tile's token 0 (a multiple of 8)
         self.kv_len = kv_lens_ref[self.request]
-        self.pos0, self.first, self.end, _, self.num_blocks, self.unmasked = tile_span(
+        self.pos0, self.first, self.end, last_pos, self.num_blocks, self.unmasked = tile_span(
             self.row0, bounds_ref[self.request], bounds_ref[self.request + 1], self.kv_len,
             tile_tokens=tile_tokens, block_kv=block_kv)
+        # 1 when the last block is needed below key narrow_keys only (it is then masked: past the first position).
+        self.narrow = 0 if not narrow_keys else jnp.where(
+            (self.num_blocks > 0) & (lax.rem(last_pos, block_kv) < narrow_keys), 1, 0)
 
 
 def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
                     k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
                     v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
-                    snake, sm_scale, block_kv, num_stages, page_size, p_in_registers):
+                    snake, sm_scale, block_kv, narrow_keys, num_stages, page_size, p_in_registers):
     cta = lax.axis_index("c")
     wg = lax.axis_index("wg")
     my_items = cta_item_count(cta, num_items, num_ctas, snake)
@@ -213,7 +219,7 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
 
     def item(k):
         return _Item(cta_item(cta, k, num_ctas, snake), refs, num_slabs=num_slabs, slabs=slabs, heads=heads,
-                     tile_tokens=tile_tokens, block_kv=block_kv)
+                     tile_tokens=tile_tokens, block_kv=block_kv, narrow_keys=narrow_keys)
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -261,17 +267,20 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
             rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
             row_pos = it.pos0 + lax.rem(rows + wg * WG_ROWS, tile_tokens)
 
-            def step(block, carry, *, masked):
+            def step(block, carry, *, masked, keys=block_kv):  # keys: the block's first keys it computes
                 acc, m_i, l_i = carry
                 slot = lax.rem(step0 + block, num_stages)
+                k_block, v_block = k_smem.at[slot], v_smem.at[slot]
+                if keys < block_kv:
+                    k_block, v_block = k_block.at[pl.ds(0, keys)], v_block.at[pl.ds(0, keys)]
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
+                    plgpu.wgmma(acc_ref, my_q, k_block.T)
                     schedule_barrier()  # the other warpgroup's p @ v runs while ours is in flight
                     return acc_ref[...]
 
                 with jax.named_scope("qk"):
-                    s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+                    s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, keys), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 with jax.named_scope("softmax"):
                     if masked:  # each row sees the slots up to its position
@@ -299,17 +308,17 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                 with jax.named_scope("pv"):
                     if p_in_registers:  # FA3's form: p stays in registers, p @ v accumulates into acc in place
                         def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, p16, v_block)
                             wait_next_k()
 
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     else:  # the form interpret mode runs: p through shared memory, a fresh accumulator
-                        my_p = p_smem.at[wg]
+                        my_p = p_smem.at[wg, :, pl.ds(0, keys)]
                         my_p[...] = p16
                         plgpu.commit_smem()
 
                         def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, my_p, v_block)
                             wait_next_k()
                             return acc_ref[...]
 
@@ -318,7 +327,12 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                 return acc, m_new, l_i
 
             carry = lax.fori_loop(0, it.unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
-            acc, _, l_i = lax.fori_loop(it.unmasked, it.num_blocks, functools.partial(step, masked=True), carry)
+            narrow_from = it.num_blocks - it.narrow
+            carry = lax.fori_loop(it.unmasked, narrow_from, functools.partial(step, masked=True), carry)
+            if narrow_keys:  # the last block at half width (trip count 0 or 1), when its upper half is past every row
+                carry = lax.fori_loop(narrow_from, it.num_blocks,
+                                      functools.partial(step, masked=True, keys=narrow_keys), carry)
+            acc, _, l_i = carry
             pl.when(wg == 0)(schedule_barrier)
 
             @pl.when(k + 1 < my_items)
@@ -413,13 +427,16 @@ def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profil
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "balanced_order",
-                                             "interpret", "profile_dir"))
+                                             "half_diagonal", "interpret", "profile_dir"))
 def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale, *, block_kv=128,
-                   num_stages=2, num_ctas=None, balanced_order=True, interpret=False, profile_dir=None):
+                   num_stages=2, num_ctas=None, balanced_order=True, half_diagonal=True, interpret=False,
+                   profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
     ``ragged_prefill_ref``. ``num_ctas``: persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
     ``balanced_order``: the tiles sorted by their KV blocks and dealt in snake order (``balanced_tiles``), else
     round-robin in the order ``query_tiles`` cuts them (the previous form, kept to time against).
+    ``half_diagonal``: with ``block_kv`` 128, an item's last block runs on its first 64 keys when no own token
+    sees past them, else (and always with other block sizes) at full width.
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
     makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
     qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
@@ -455,6 +472,7 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     kernel = functools.partial(
         _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, num_slabs=num_slabs,
         num_items=num_items, num_ctas=num_ctas, snake=balanced_order, sm_scale=float(sm_scale), block_kv=block_kv,
+        narrow_keys=block_kv // 2 if half_diagonal and block_kv == 128 else 0,
         num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
     copies = max(block_kv // page_size, 1)
     wg_tiles = (CONSUMERS, WG_ROWS, head_dim)

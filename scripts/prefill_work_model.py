@@ -5,8 +5,9 @@
 For each `pallas_kernels.bench` prefill case (the same lengths) and Qwen3-8B's heads (32 q / 8 kv: items of
 32 tokens x 4 query heads, per `ragged_prefill.gqa_tiling`), it counts what `ragged_prefill` runs: the work items,
 their KV blocks (`block_kv` 128), the share of blocks that are diagonal (masked), the keys computed against the
-causal ones, and the load of the busiest persistent CTA against the mean for each order of `cta_loads`. Costs
-count KV blocks only, so per-item overheads (query loads, stores, pipeline fill) come on top of what it shows.
+causal ones (every block at full width, and with `ragged_prefill`'s half-width last block), and the load of the
+busiest persistent CTA against the mean for each order of `cta_loads`. Costs count KV blocks only, so per-item
+overheads (query loads, stores, pipeline fill) come on top of what it shows.
 """
 
 import argparse
@@ -18,18 +19,22 @@ from pallas_kernels.bench import PREFILL_CASES, prefill_lengths
 from pallas_kernels.ragged_prefill import gqa_tiling
 
 
-def items_of(lengths, tile_tokens, block_kv, num_slabs):
-    """KV blocks of every item in the kernel's order (a request's tiles last-first, its slabs side by side), how
-    many of them run masked (not wholly below the tile's first position, as ``ragged_prefill._Item``), and the
-    keys computed and causally needed."""
+def items_of(lengths, tile_tokens, block_kv, num_slabs, half_diagonal=False):
+    """KV blocks of every item in the order tiles are cut (a request's tiles last-first, its slabs side by side),
+    how many of them run masked (not wholly below the tile's first position, as ``ragged_prefill.tile_span``), and
+    the keys computed and causally needed; ``half_diagonal``: the last block computes its first half only when
+    the tile's last position needs no more (``ragged_prefill(half_diagonal=True)``, block_kv 128)."""
     blocks, masked, computed, causal = [], 0, 0, 0
     for length in lengths:
         for tile in reversed(range(-(-int(length) // tile_tokens))):
             lo, hi = tile * tile_tokens, min((tile + 1) * tile_tokens, int(length))
             num_blocks = -(-hi // block_kv)
+            keys = num_blocks * block_kv
+            if half_diagonal and (hi - 1) % block_kv < block_kv // 2:
+                keys -= block_kv // 2
             blocks += [num_blocks] * num_slabs
             masked += num_slabs * (num_blocks - (lo + 1) // block_kv)
-            computed += num_slabs * num_blocks * block_kv * (hi - lo)
+            computed += num_slabs * keys * (hi - lo)
             causal += num_slabs * ((hi * (hi + 1) - lo * (lo + 1)) // 2)
     return np.array(blocks), masked, computed, causal
 
@@ -72,13 +77,15 @@ def main(argv=None):
     heads, tile_tokens = gqa_tiling(args.q_heads // args.kv_heads)
     num_slabs = args.q_heads // heads
     print(f"items of {tile_tokens} tokens x {heads} query heads, KV blocks of {args.block_kv}, {args.ctas} CTAs")
-    print("busiest CTA / mean per order:")
+    print("keys computed / causal, full width and with the half-width diagonal; the busiest CTA / mean per order")
     print(f"{'case':>14} {'items':>7} {'blocks/item':>11} {'diagonal':>8} {'computed/causal':>15} "
-          + " ".join(f"{order:>13}" for order in ORDERS))
+          f"{'half diagonal':>13} " + " ".join(f"{order:>13}" for order in ORDERS))
     for case in args.cases:
-        blocks, masked, computed, causal = items_of(prefill_lengths(case), tile_tokens, args.block_kv, num_slabs)
+        lengths = prefill_lengths(case)
+        blocks, masked, computed, causal = items_of(lengths, tile_tokens, args.block_kv, num_slabs)
+        computed_half = items_of(lengths, tile_tokens, args.block_kv, num_slabs, half_diagonal=True)[2]
         print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {masked / blocks.sum():>8.1%} "
-              f"{computed / causal:>15.3f} "
+              f"{computed / causal:>15.3f} {computed_half / causal:>13.3f} "
               + " ".join(f"{busiest_over_mean(blocks, args.ctas, order):>13.3f}" for order in ORDERS))
 
 

@@ -109,15 +109,24 @@ def test_paged_decode_rejects_bad_input(bad):
         paged_decode(q, k_pool, v_pool, 0, lens, tables, 0.1, interpret=INTERPRET, **kwargs)
 
 
-OLD_ORDER = dict(balanced_order=False)  # the previous form: round-robin over the tiles as cut
+BEFORE = dict(balanced_order=False, half_diagonal=False)  # the previous forms, still timed against
+# With KV blocks of 128, a tile whose last position p has p % 128 < 64 runs its last block at half width.
+HALVES = ([100, 0, 45, 77], [300, 2, 45, 77])  # last tiles end in both halves of a block (positions 299, 295, 263,
+#   231; 44, 27; 76, 62, 30), behind a prefix (300 keys for 100 queries: unmasked, full masked and half blocks in
+#   one tile), an idle request, chunks at unaligned rows
 PREFILL_CASES = [
     # group, head_dim, page_size, block_kv, CTAs, q_lens, kv_lens, padding rows, options; the race detector on the
-    # first
+    # first two
     (4, 64, 16, 64, 2, [70, 0, 5], [90, 3, 5], 5, {}),   # chunk behind a prefix; idle request; chunk at row 70
+    (4, 128, 64, 128, 3, *HALVES, 3, {}),
     (1, 128, 64, 64, 1, [3, 70], [130, 70], 0, {}),      # one head: a 128-token tile split across the warpgroups
     (8, 64, 128, 64, 3, [40, 1], [40, 200], 3, {}),      # block inside a page; single-token chunk at position 199
     (5, 64, 32, 128, 4, [30, 17], [30, 60], 2, {}),      # odd group: 5 heads x 24 tokens; a block spans 4 pages
-    (4, 64, 16, 64, 3, [70, 0, 5], [90, 3, 5], 5, OLD_ORDER),
+    (1, 64, 32, 128, 2, [150, 5], [150, 40], 2, {}),     # one head: last positions 127 (full), 149 and 39 (half)
+    (8, 128, 128, 128, 4, [40, 33], [40, 100], 0, {}),   # 8 heads x 16 tokens: last positions 39 .. 15, 99 .. 82
+    (4, 128, 64, 128, 3, *HALVES, 3, BEFORE),
+    (8, 128, 128, 128, 4, [40, 33], [40, 100], 0, dict(balanced_order=False)),
+    (4, 64, 16, 64, 3, [70, 0, 5], [90, 3, 5], 5, BEFORE),
 ]
 
 
@@ -138,7 +147,7 @@ def test_ragged_prefill_matches_reference(group, head_dim, page_size, block_kv, 
     lens = jnp.asarray(kv_lens, jnp.int32)
     scale = head_dim ** -0.5
     races = PREFILL_CASES.index((group, head_dim, page_size, block_kv, num_ctas, q_lens, kv_lens, padding,
-                                 options)) == 0
+                                 options)) < 2
     interpret = INTERPRET
     if races:
         gpu_interpret.reset_gpu_interpret_mode_state()
@@ -243,13 +252,14 @@ def test_ragged_prefill_rejects_bad_input(bad):
 
 
 LOWERING_CASES = [
-    # kernel, group, head_dim, page_size, block_kv
+    # kernel, group, head_dim, page_size, block_kv; "prefill" with block_kv 128 lowers the half-width diagonal block
     ("decode", 4, 128, 16, 128),
     ("decode", 8, 64, 256, 64),
     ("decode", 1, 64, 64, 64),
     ("prefill", 4, 128, 128, 128),
     ("prefill", 1, 64, 32, 128),
     ("prefill", 5, 128, 256, 64),
+    ("prefill_before", 4, 128, 128, 128),  # the previous forms, timed against (BEFORE)
     ("prefill_per_head", 4, 128, 128, 64),  # the previous kernel, the benchmarks' baseline
 ]
 
@@ -264,7 +274,8 @@ def test_kernels_lower_for_hopper(kernel, group, head_dim, page_size, block_kv):
         args = (jax.ShapeDtypeStruct((4, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(kv_lens=i32(4), page_tables=i32(4, 8))
     else:
-        kernel_fn = ragged_prefill if kernel == "prefill" else ragged_prefill_per_head
+        kernel_fn = dict(prefill=ragged_prefill, prefill_before=functools.partial(ragged_prefill, **BEFORE),
+                         prefill_per_head=ragged_prefill_per_head)[kernel]
         fn = functools.partial(kernel_fn, layer=1, sm_scale=0.1, block_kv=block_kv)
         args = (jax.ShapeDtypeStruct((100, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(cu_q_lens=i32(3), kv_lens=i32(2), page_tables=i32(2, 8))

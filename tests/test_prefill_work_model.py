@@ -18,6 +18,9 @@ def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
     assert blocks.tolist() == [n for n in (2, 2, 2, 2, 1, 1, 1, 1) for _ in range(2)]
     assert masked == 2 * 8  # tiles from 128 on run block 0 unmasked (wholly below them), block 1 masked
     assert causal == 2 * 256 * 257 // 2 and computed == 2 * 32 * 128 * (4 * 2 + 4 * 1)
+    # half-width last block: tiles ending at positions 31, 63 (and 159, 191) need keys below 64 of their last block
+    computed_half = model.items_of([256], tile_tokens=32, block_kv=128, num_slabs=2, half_diagonal=True)[2]
+    assert computed_half == computed - 2 * 4 * 32 * 64
 
 
 def test_round_robin_balanced_and_longest_first_loads():
