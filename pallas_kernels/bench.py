@@ -6,9 +6,10 @@ read / time, and TFLOP/s), then causal prefill of whole prompts packed into one 
 targets: one 8k prompt, and 64 prompts of 128-2048 tokens; TFLOP/s counting the causal work only), ending with
 a summary of each prefill implementation's TFLOP/s per case, as a share of the first case's and of cuDNN's.
 Timings chain ``reps`` calls inside one jitted loop (each call's output is the next call's query), so launch
-gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels, the Triton kernels (``triton``,
-and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's Pallas-Triton ``paged_attention``
-(decode), the XLA reference and cuDNN over dense copies of the KV.
+gaps count but host dispatch does not. Implementations: the Mosaic GPU kernels (the prefill one also with its
+levers off in turn, ``PREFILL_FORMS``: ``mosaic_round_robin``, ``mosaic_wide_diagonal``, both ``mosaic_before``),
+the Triton kernels (``triton``, and ``triton_sm80`` compiled for Ampere; they need jax-triton), jax's
+Pallas-Triton ``paged_attention`` (decode), the XLA reference and cuDNN over dense copies of the KV.
 
 The compression kernels are benchmarked inside the engine's compression step, against its jnp path, by the
 engine's own compression benchmark (this package knows nothing of the engine).
@@ -34,6 +35,9 @@ from pallas_kernels.reference import gather_request_kv, masked_attention, paged_
 MAX_REL_ERR = 1e-2
 # The prefill targets: one 8k prompt, and 64 prompts of 128-2048 tokens packed into one call.
 PREFILL_CASES = ["1x8192", "64x128-2048"]
+# The prefill kernel's levers switched off, each a row `mosaic_<name>` timed beside the default `mosaic`.
+PREFILL_FORMS = {"round_robin": dict(balanced_order=False), "wide_diagonal": dict(half_diagonal=False),
+                 "before": dict(balanced_order=False, half_diagonal=False)}
 
 
 def rel_err(out, ref):
@@ -216,9 +220,13 @@ def dense_causal_ref(q_pad, k_dense, v_dense, lengths, scale):
 
 
 def prefill_variants(specs) -> dict:
-    """``block_kv:stages`` specs -> name -> keyword arguments of ``ragged_prefill``."""
+    """Specs -> row name -> keyword arguments of ``ragged_prefill``: ``mosaic`` (its defaults), then per spec a
+    form of ``PREFILL_FORMS`` (row ``mosaic_<form>``) or ``block_kv:stages`` (row ``mosaic_b<block_kv>_s<stages>``)."""
     variants = {"mosaic": {}}
     for spec in specs:
+        if spec in PREFILL_FORMS:
+            variants[f"mosaic_{spec}"] = PREFILL_FORMS[spec]
+            continue
         block_kv, stages = (int(x) for x in spec.split(":"))
         variants[f"mosaic_b{block_kv}_s{stages}"] = dict(block_kv=block_kv, num_stages=stages)
     return variants
@@ -348,8 +356,9 @@ def main(argv=None):
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")
-    parser.add_argument("--prefill-variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra configs of the prefill kernel block_kv:stages, comma separated")
+    parser.add_argument("--prefill-variants", type=lambda s: s.split(",") if s else [], default=list(PREFILL_FORMS),
+                        help="rows of the prefill kernel beside its default, comma separated: a lever switched off ("
+                             + ", ".join(PREFILL_FORMS) + ") or block_kv:stages; default: every lever off in turn")
     parser.add_argument("--prefill-profile", metavar="DIR",
                         help="also write a Mosaic GPU profiler trace of the prefill kernel per case to DIR/CASE "
                              "(every CTA's warpgroups: use small cases, e.g. --prefill-cases 1x2048)")
@@ -366,6 +375,7 @@ def main(argv=None):
         raise ValueError(f"sections: unknown {sorted(unknown)}")
     for spec in args.prefill_cases:
         parse_prefill_case(spec)
+    prefill_variants(args.prefill_variants)  # a bad spec fails here, not after the decode section
     print(f"devices: {jax.devices()}", flush=True)
     runs = dict(decode=bench_decode, prefill=bench_prefill)
     rows = []

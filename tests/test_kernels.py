@@ -13,7 +13,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.bench import prefill_lengths
+from pallas_kernels.bench import PREFILL_FORMS, prefill_lengths, prefill_variants
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import (balanced_tiles, cta_item, cta_item_count, gqa_tiling, query_tiles,
                                            ragged_prefill, tile_span, warpgroup_runs)
@@ -109,7 +109,7 @@ def test_paged_decode_rejects_bad_input(bad):
         paged_decode(q, k_pool, v_pool, 0, lens, tables, 0.1, interpret=INTERPRET, **kwargs)
 
 
-BEFORE = dict(balanced_order=False, half_diagonal=False)  # the previous forms, still timed against
+BEFORE = PREFILL_FORMS["before"]  # the previous forms, the bench's mosaic_before row
 # With KV blocks of 128, a tile whose last position p has p % 128 < 64 runs its last block at half width.
 HALVES = ([100, 0, 45, 77], [300, 2, 45, 77])  # last tiles end in both halves of a block (positions 299, 295, 263,
 #   231; 44, 27; 76, 62, 30), behind a prefix (300 keys for 100 queries: unmasked, full masked and half blocks in
@@ -221,6 +221,12 @@ def test_balanced_order_evens_the_bench_ragged_case():
     greedy = load_script("prefill_work_model").busiest_over_mean(balanced, num_ctas, "longest-first")
     assert busiest_over_mean(balanced, snake=True) < min(1.01, greedy + 0.01)
     assert busiest_over_mean(item_blocks(*tiles), snake=False) > 1.04
+
+
+def test_bench_prefill_rows_switch_each_lever_off():
+    rows = prefill_variants(["round_robin", "wide_diagonal", "before", "64:2"])
+    assert list(rows) == ["mosaic", "mosaic_round_robin", "mosaic_wide_diagonal", "mosaic_before", "mosaic_b64_s2"]
+    assert rows["mosaic"] == {} and rows["mosaic_before"] == rows["mosaic_round_robin"] | rows["mosaic_wide_diagonal"]
 
 
 @pytest.mark.parametrize("group", range(1, 33))
