@@ -109,8 +109,8 @@ def query_tiles(cu_q_lens, num_tokens, tile_tokens):
     """Static-size tiling of the packed rows into ``tile_tokens``-token tiles, each inside one request's chunk.
 
     The padding rows ``[cu_q_lens[R], num_tokens)`` are one more chunk, request ``R`` (no KV: its tiles write
-    zeros). A chunk's tiles start ``cu_q_lens[r] % 8`` rows before it, on an 8-aligned packed row, and run
-    last-first. Returns ``(tile_request [N], tile_row [N])``, the request and first packed row of each tile,
+    zeros). A chunk's tiles start ``cu_q_lens[r] % 8`` rows before it, on an 8-aligned packed row, and are
+    listed last-first. Returns ``(tile_request [N], tile_row [N])``, the request and first packed row of each tile,
     with ``N = cdiv(T + 7 (R + 1), tile_tokens) + R + 1``; unused tiles get request ``R`` and row ``T`` (no rows).
     """
     num_requests = cu_q_lens.shape[0] - 1
@@ -329,7 +329,7 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
             carry = lax.fori_loop(0, it.unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
             narrow_from = it.num_blocks - it.narrow
             carry = lax.fori_loop(it.unmasked, narrow_from, functools.partial(step, masked=True), carry)
-            if narrow_keys:  # the last block at half width (trip count 0 or 1), when its upper half is past every row
+            if narrow_keys:  # the last block at half width (trip count 0 or 1) when no own row sees its upper half
                 carry = lax.fori_loop(narrow_from, it.num_blocks,
                                       functools.partial(step, masked=True, keys=narrow_keys), carry)
             acc, _, l_i = carry
