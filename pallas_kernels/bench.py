@@ -36,8 +36,8 @@ MAX_REL_ERR = 1e-2
 # The prefill targets: one 8k prompt, and 64 prompts of 128-2048 tokens packed into one call.
 PREFILL_CASES = ["1x8192", "64x128-2048"]
 # The prefill kernel's levers switched off, each a row `mosaic_<name>` timed beside the default `mosaic`.
-PREFILL_FORMS = {"round_robin": dict(balanced_order=False), "wide_diagonal": dict(half_diagonal=False),
-                 "before": dict(balanced_order=False, half_diagonal=False)}
+PREFILL_FORMS = {"round_robin": dict(item_order="round_robin"), "wide_diagonal": dict(half_diagonal=False),
+                 "before": dict(item_order="round_robin", half_diagonal=False)}
 
 
 def rel_err(out, ref):

@@ -39,14 +39,14 @@ def items_of(lengths, tile_tokens, block_kv, num_slabs, half_diagonal=False):
     return np.array(blocks), masked, computed, causal
 
 
-ORDERS = ("round-robin", "balanced", "longest-first")
+ORDERS = ("round-robin", "snake", "longest-first")
 
 
 def cta_loads(costs, num_ctas, order):
     """Each persistent CTA's summed cost of the items (``costs`` in the kernel's tile order) dealt ``round-robin``
-    (``cta, cta + num_ctas, ...``: ``ragged_prefill(balanced_order=False)``), ``balanced`` (sorted most first and
-    dealt in snake order, round ``k`` to CTAs 0, 1, ... when even and ..., 1, 0 when odd: the kernel's default),
-    or ``longest-first`` to the least loaded CTA (greedy, near ideal, needs a running queue the kernel has not)."""
+    (``cta, cta + num_ctas, ...``: ``ragged_prefill(item_order="round_robin")``), ``snake`` (round ``k`` to CTAs
+    0, 1, ... when even and ..., 1, 0 when odd: the kernel's default), or ``longest-first`` to the least loaded
+    CTA (greedy, near ideal, needs a running queue the kernel has not)."""
     costs = np.asarray(costs)
     if order == "longest-first":
         heap = [(0, c) for c in range(num_ctas)]
@@ -55,8 +55,7 @@ def cta_loads(costs, num_ctas, order):
             heapq.heappush(heap, (load + cost, cta))
         return np.array([load for _, load in sorted((cta, load) for load, cta in heap)])
     rounds, place = np.divmod(np.arange(len(costs)), num_ctas)
-    if order == "balanced":
-        costs = np.sort(costs)[::-1]
+    if order == "snake":
         place = np.where(rounds % 2, num_ctas - 1 - place, place)
     return np.bincount(place, weights=costs, minlength=num_ctas)
 

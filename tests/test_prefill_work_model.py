@@ -23,16 +23,16 @@ def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
     assert computed_half == computed - 2 * 4 * 32 * 64
 
 
-def test_round_robin_balanced_and_longest_first_loads():
+def test_round_robin_snake_and_longest_first_loads():
     costs = np.array([4, 1, 1, 1, 1, 4])
     # round-robin over 2 CTAs: [4, 1, 1] and [1, 1, 4] are even; over 3: [4, 1], [1, 1], [1, 4]
     assert model.busiest_over_mean(costs, 2, "round-robin") == 1.0
     assert model.busiest_over_mean(costs, 3, "round-robin") == 5 / 4
-    # balanced over 3: sorted 4 4 1 | 1 1 1 dealt to CTAs 0 1 2 | 2 1 0
-    assert model.cta_loads(costs, 3, "balanced").tolist() == [5, 5, 2]
+    # snake over 3: 4 1 1 | 1 1 4 dealt to CTAs 0 1 2 | 2 1 0
+    assert model.cta_loads(costs, 3, "snake").tolist() == [8, 2, 2]
     # longest-first to the least loaded of 3: 4 | 4 | 1+1+1+1 balances exactly
     assert model.cta_loads(costs, 3, "longest-first").tolist() == [4, 4, 4]
     # two requests' tiles, each last-first: round-robin gives CTA 0 both largest, the snake pairs large with small
     sawtooth = np.array([3, 2, 1, 3, 2, 1])
     assert model.cta_loads(sawtooth, 3, "round-robin").tolist() == [6, 4, 2]
-    assert model.cta_loads(sawtooth, 3, "balanced").tolist() == [4, 4, 4]
+    assert model.cta_loads(sawtooth, 3, "snake").tolist() == [4, 4, 4]
