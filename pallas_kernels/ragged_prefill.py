@@ -29,7 +29,7 @@ smallest. On one 8k prompt the busiest CTA's blocks end within 0.2 % of the mean
 round-robin (scripts/prefill_work_model.py), ~5 % faster on an H100; round-robin stays as
 ``item_order="round_robin"`` (uniform batches of mid-length prompts measured it 3-5 % faster). Sorting the tiles
 of all requests by their blocks balances further but scatters each request's KV over the whole run: measured
-9-12 % slower on batches of prompts (L2 reuse lost), so the order keeps a request's tiles together.
+7-12 % slower on batches of prompts (L2 reuse lost), so the order keeps a request's tiles together.
 """
 
 import functools
