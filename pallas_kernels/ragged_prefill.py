@@ -459,8 +459,8 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     num_ctas = min(num_ctas, num_items)
     kernel = functools.partial(
         _prefill_kernel, heads=heads, tile_tokens=tile_tokens, slabs=group // heads, num_slabs=num_slabs,
-        num_items=num_items, num_ctas=num_ctas, snake=item_order != "round_robin", sm_scale=float(sm_scale), block_kv=block_kv,
-        narrow_keys=block_kv // 2 if half_diagonal and block_kv == 128 else 0,
+        num_items=num_items, num_ctas=num_ctas, snake=item_order == "snake", sm_scale=float(sm_scale),
+        block_kv=block_kv, narrow_keys=block_kv // 2 if half_diagonal and block_kv == 128 else 0,
         num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
     copies = max(block_kv // page_size, 1)
     wg_tiles = (CONSUMERS, WG_ROWS, head_dim)

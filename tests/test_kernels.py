@@ -236,7 +236,7 @@ def test_gqa_tiling_stacks_heads_in_runs_of_whole_row_tiles(group):
     assert sorted(rows) == [(h, t, h * tile_tokens + t) for h in range(heads) for t in range(tile_tokens)]
 
 
-@pytest.mark.parametrize("bad", ["cu_q_lens", "page_tables", "head dim"])
+@pytest.mark.parametrize("bad", ["cu_q_lens", "page_tables", "head dim", "item_order"])
 def test_ragged_prefill_rejects_bad_input(bad):
     rng = seeded_rng()
     k_pool, v_pool = random_pool(rng, 1, 4, 1, 16, 64)
@@ -246,10 +246,11 @@ def test_ragged_prefill_rejects_bad_input(bad):
         cu = jnp.asarray([0, 8], jnp.int32)
     elif bad == "page_tables":
         tables = jnp.ones((3, 2), jnp.int32)
-    else:
+    elif bad == "head dim":
         q = jnp.zeros((8, 2, 32), jnp.bfloat16)
+    order = "sorted" if bad == "item_order" else "snake"
     with pytest.raises(ValueError, match=bad):
-        ragged_prefill(q, k_pool, v_pool, 0, cu, lens, tables, 0.1, interpret=INTERPRET)
+        ragged_prefill(q, k_pool, v_pool, 0, cu, lens, tables, 0.1, item_order=order, interpret=INTERPRET)
 
 
 LOWERING_CASES = [
