@@ -2,7 +2,7 @@
 # On the GPU machine (device tool), from the repo root: the ragged-prefill targets (BENCHMARKS.md, Prefill
 # attention), one part a call (each fits a 10-minute run):
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh kernels  # kernel rows: one 8k prompt, 64 prompts of 128-2048 tokens;
-#       mosaic (balanced item order, half-width diagonal block) beside mosaic_round_robin, mosaic_wide_diagonal
+#       mosaic (snake item order, half-width diagonal block) beside mosaic_round_robin, mosaic_wide_diagonal
 #       (each lever off) and mosaic_before (both off)
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh ttft     # engine time to first token, 16k prompt, Qwen3-8B shapes
 #   OUT=/tmp/out bash scripts/gpu_prefill.sh profile  # Mosaic GPU profiler trace of the kernel on a 2k prompt
