@@ -149,7 +149,7 @@ def tile_span(row0, chunk_start, chunk_end, kv_len, *, tile_tokens, block_kv):
     """``(pos0, first, end, last_pos, num_blocks, unmasked)`` of the tile whose token 0 is packed row ``row0``:
     token 0's position, the tile's own tokens ``[first, end)``, the last own token's position, the KV blocks it
     runs and how many of them lie wholly below every own token's position (run unmasked). Kernel scalars or jnp
-    arrays of tiles alike, so the kernel and the item order outside it count the same blocks."""
+    arrays of tiles alike, so the tests of the item order count the blocks the kernel runs."""
     pos0 = kv_len - (chunk_end - chunk_start) + (row0 - chunk_start)
     first = jnp.clip(chunk_start - row0, 0, tile_tokens)
     end = jnp.clip(chunk_end - row0, 0, tile_tokens)

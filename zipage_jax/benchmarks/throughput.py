@@ -437,9 +437,10 @@ def format_report(report: dict) -> str:
     lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]
     peer = report.get("peer")
     if peer:
-        lines.append(f"peer {peer.get('name')}: " + (f"{peer['tokens_per_s']:.1f} tok/s ("
-                                                    f"{peer.get('tokens_per_s_second_half') or 0:.1f} over the second "
-                                                    f"half), {peer['generated_tokens']} tokens in "
+        second = peer.get("tokens_per_s_second_half")
+        lines.append(f"peer {peer.get('name')}: " + (f"{peer['tokens_per_s']:.1f} tok/s"
+                                                    + (f" ({second:.1f} over the second half)" if second else "")
+                                                    + f", {peer['generated_tokens']} tokens in "
                                                     f"{peer['generation_s']:.1f}s ({peer['requests']} requests)"
                                                     if "tokens_per_s" in peer else f"failed: {peer.get('error')}"))
     return "\n".join(lines)
