@@ -158,6 +158,21 @@ def test_a_max_tokens_beyond_the_context_runs_to_the_context(llm):
     assert len(prompt) + len(out.outputs[0].token_ids) == engine.max_model_len == 160
 
 
+def test_the_engine_resolves_max_tokens_and_truncation_once(llm):
+    """``max_tokens=None`` fills the context; ``reject_over_length`` (the server's rule) refuses what the offline
+    API caps; the request as queued holds the truncated prompt and the resolved budget."""
+    engine, prompt = llm.engine, random_prompts(seeded_rng(), 1, lo=30, hi=40)[0]
+    engine.add_request("none", prompt, dataclasses.replace(GREEDY, max_tokens=None, truncate_prompt_tokens=20))
+    queued = engine.requests["none"]
+    assert queued.prompt_token_ids == prompt[-20:] and queued.sampling_params.max_tokens == 160 - 20
+    with pytest.raises(ValueError, match="^max_tokens: 'max_tokens' or 'max_completion_tokens' is too large"):
+        engine.add_request("over", prompt, dataclasses.replace(GREEDY, max_tokens=10**6), reject_over_length=True)
+    assert "over" not in engine.requests
+    engine.abort_request("none")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_bad_inputs_raise_and_engine_keeps_serving(llm):
     rng = seeded_rng()
     engine = llm.engine

@@ -55,7 +55,8 @@ class SamplingParams:
     (disabled). `logprobs=N` returns, for each output token, its logprob and rank and the N most likely
     alternatives (0: the token's alone; True means 0); `prompt_logprobs=N` the same for every prompt token after
     the first (a request asking for them computes its whole prompt: it does not use the prefix cache).
-    `truncate_prompt_tokens=K` keeps a prompt's last K tokens. Use `dataclasses.replace(params, ...)` to derive
+    `truncate_prompt_tokens=K` keeps a prompt's last K tokens. `max_tokens=None` generates until the context
+    (`max_model_len`) ends, as in vLLM. Use `dataclasses.replace(params, ...)` to derive
     a modified copy (it is validated again).
     """
 
@@ -70,7 +71,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -102,9 +103,10 @@ class SamplingParams:
             put("seed", seed)
         put("stop", _stop_strings(self.stop))
         put("stop_token_ids", check_token_ids("stop_token_ids", self.stop_token_ids))
-        put("max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+        if self.max_tokens is not None:  # None: until the context ends (the engine resolves it per prompt)
+            put("max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
         put("min_tokens", check_int("min_tokens", self.min_tokens, lo=0))
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
         put("logprobs", _logprobs("logprobs", self.logprobs))

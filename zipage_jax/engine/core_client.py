@@ -184,7 +184,7 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
 def exit_if_compiling(engine):
     """End the process now if a stopped warm-up left compiles running: XLA cannot interrupt them, and a normal
     exit would wait for every one."""
-    if engine.runner.programs.compiling_unused:
+    if engine.compiling_unused:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -190,9 +190,13 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs))
 
     # -- requests --------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None):
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    reject_over_length: bool = False):
         """Queue a request. Bad input raises ``ValueError`` and changes nothing. A ``max_tokens`` beyond what the
-        prompt leaves of ``max_model_len`` is capped, as vLLM's offline API does (``completion_budget``)."""
+        prompt leaves of ``max_model_len`` is capped, as vLLM's offline API does, or, with ``reject_over_length``
+        (the server's rule), a ``ValueError`` naming ``max_tokens`` (``completion_budget``); ``max_tokens=None``
+        fills the context. The request as queued (its prompt ids after truncation, its ``max_tokens``) is
+        ``requests[request_id]``."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -210,7 +214,7 @@ class LLMEngine:
             raise ValueError("prompt: empty prompt")
         if not all(isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_cfg.vocab_size})")
-        max_tokens = completion_budget(len(ids), params.max_tokens, self.max_model_len, reject=False)
+        max_tokens = completion_budget(len(ids), params.max_tokens, self.max_model_len, reject=reject_over_length)
         self._check_budget(params)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -471,6 +475,12 @@ class LLMEngine:
             query_rows_used=self.scheduler.num_query_rows - len(self.scheduler.free_query_rows),
             max_concurrency=self.memory_plan.max_concurrency,
         )
+
+    @property
+    def compiling_unused(self) -> bool:
+        """Whether compiles nobody waits for still run (a stopped warm-up's): a process exiting now would wait for
+        them (``core_client.exit_if_compiling``)."""
+        return self.runner.programs.compiling_unused
 
     @property
     def compiling_in_background(self) -> bool:
