@@ -1,6 +1,6 @@
 """A fake device for the scheduler's property tests: the real ``LLMEngine`` step loop over a token-valued pool.
 
-``FakeDevice`` implements ``worker.model_runner.Runner``: it executes each scheduler output in the engine's
+``FakeDevice`` implements ``worker.worker.Executor``: it executes each scheduler output in the engine's
 dispatch order (swap-outs, swap-ins, synchronous compression, decode, prefill, asynchronous compression) against
 a pool whose slots hold ``(position, token)``, a query cache whose ring holds the ``(position, token)`` of each
 query-row holder's computed tokens, and a token buffer; a decode whose input token is still pending reads it
@@ -23,8 +23,9 @@ from zipage_jax.config import ScoringConfig
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.core.request import PENDING, Request, RequestStatus
-from zipage_jax.worker.model_runner import StepHandle
+from zipage_jax.worker.handles import ExecuteResult, StepHandle
 from zipage_jax.worker.programs import Programs
+from zipage_jax.worker.worker import WorkerStats
 from zipage_jax.core.scheduler import Scheduler
 
 PAGE = 4
@@ -37,26 +38,26 @@ def digest(items) -> int:
 
 
 class FakeDevice:
-    compression_seconds = 0.0
-
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, plan):
+        self.plan = plan
         self.programs = Programs()  # compiles nothing: the engine's metrics read its compile time (0)
         self.step_limits = None
         self.s = scheduler
         self.bm = scheduler.page_manager
         self.pool = {page: [None] * PAGE for page in range(self.bm.num_pages)}
         self.buffer = [None] * (scheduler.max_num_seqs + 1)
-        self.queries = [[None] * WINDOW for _ in range(scheduler.num_query_rows)]
-        self.stats = collections.Counter()
+        self.queries = [[None] * WINDOW for _ in range(scheduler.query_rows.num_rows)]
+        self.counts = collections.Counter()
 
-    # -- worker.model_runner.Runner ------------------------------------------------------------------------
-    def execute(self, out) -> list[StepHandle]:
+    # -- worker.worker.Executor ----------------------------------------------------------------------------
+    def execute(self, out) -> ExecuteResult:
         self.check_schedule(out)
         s = self.s
+        result = ExecuteResult()
         for swap in out.swap_outs:
-            swap.request.swap_state = self.swap_out(swap)
-        for request in out.swap_ins:
-            self.swap_in(request)
+            result.swapped_out[swap.request.request_id] = self.swap_out(swap)
+        for swap in out.swap_ins:
+            self.swap_in(swap)
         if not s.async_compression:
             for c in out.compressions:
                 self.compress(c, s.budget(c.request))
@@ -69,11 +70,12 @@ class FakeDevice:
         if s.async_compression:
             for c in out.compressions:
                 self.compress(c, s.budget(c.request))
-        self.stats.update(compressions=len(out.compressions), swaps=len(out.swap_outs), stalls=len(out.stalled),
-                          recomputes=sum(not r.compressed for r in out.preempted),
-                          compression_dispatches=bool(out.compressions))
+        self.counts.update(compressions=len(out.compressions), swaps=len(out.swap_outs), stalls=len(out.stalled),
+                           recomputes=sum(not r.compressed for r in out.preempted),
+                           compression_dispatches=bool(out.compressions))
         self.last_output = out
-        return handles
+        result.handles = handles
+        return result
 
     def warmup(self, progress=None, stop=None, ready_early: bool = False) -> dict:
         """Nothing to compile; ready early, the engine then reads ``limits()`` (``step_limits``) at every step."""
@@ -81,6 +83,14 @@ class FakeDevice:
 
     def limits(self):
         return self.step_limits  # what a test sets: steps as a ready-early warm-up would limit them
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(compile_s=0.0, compiled_on_use=0, compiling_in_background=self.step_limits is not None,
+                           compression_dispatches=self.counts["compression_dispatches"], compression_s=None,
+                           wide_compression_s=0.0)
+
+    def set_eos_token_ids(self, eos_token_ids):
+        pass
 
     @staticmethod
     def _handle(requests, tokens, kind) -> StepHandle:
@@ -119,7 +129,7 @@ class FakeDevice:
         assert PENDING not in ids and not r.compressed
         slot = r.query_row
         for j, token in enumerate(ids):
-            if j < len(ids) - WINDOW:  # like the runner: queries of the chunk's last W tokens only
+            if j < len(ids) - WINDOW:  # like the worker: queries of the chunk's last W tokens only
                 r.query_row = None
             self._write(r, chunk.start + j, chunk.start + j, token)
             r.query_row = slot
@@ -144,12 +154,11 @@ class FakeDevice:
     def swap_out(self, swap):
         return [list(self.pool[p]) for p in swap.pages], list(self.queries[swap.query_row])
 
-    def swap_in(self, request):
-        pages, queries = request.swap_state
+    def swap_in(self, swap):
+        request, (pages, queries) = swap.request, swap.contents
         for page, content in zip(request.page_ids, pages):
             self.pool[page] = list(content)
         self.queries[request.query_row] = list(queries)
-        request.swap_state = None
 
     # -- invariants ----------------------------------------------------------------------------------------
     def check_schedule(self, out):
@@ -175,17 +184,19 @@ class FakeDevice:
 
     def check_state(self):
         s = self.s
-        self.bm.check_invariants(list(s.running) + list(s.waiting) + list(s.swapped) + list(s.parked))
-        tokens = [r.token_row for r in s.running + s.parked]  # a parked request keeps its row
+        held = getattr(s, "held", [])  # a benchmark's HoldingScheduler: held requests keep pages and rows
+        self.bm.check_invariants(list(s.running) + list(s.waiting) + list(s.swapped) + held)
+        tokens = [r.token_row for r in s.running + held]
         assert None not in tokens and len(set(tokens)) == len(tokens) <= s.max_num_seqs
-        assert all(r.status == RequestStatus.PARKED for r in s.parked)
-        holders = [r for r in s.running + s.parked if r.query_row is not None]
+        assert all(r.status == RequestStatus.RUNNING for r in held)
+        holders = [r for r in s.running + held if r.query_row is not None]
+        rows = s.query_rows
         assert len({r.query_row for r in holders}) == len(holders), "a query row held twice"
-        assert len(holders) + len(s.free_query_rows) == s.num_query_rows
+        assert len(holders) + len(rows.free) == rows.num_rows
         assert all(r.query_row is None for r in list(s.waiting) + s.swapped)
-        assert s.committed_pages == sum(s.budget(r) + 1 for r in holders) <= self.bm.num_pages - 1
+        assert rows.committed_pages == sum(s.budget(r) + 1 for r in holders) <= self.bm.num_pages - 1
         for r in s.running:
-            if s.compression and not s.hybrid_admission:
+            if s.compression and not s.admission.runs_without_query_row:
                 assert r.query_row is not None, "constrained admission runs only query-row holders"
             if r.compressed:
                 assert r.query_row is not None and len(r.page_ids) <= s.budget(r) + 1
@@ -194,7 +205,7 @@ class FakeDevice:
 
 
 def fake_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_prefill_seqs=2, prefix_caching=True,
-                **compression) -> LLMEngine:
+                scheduler_cls=Scheduler, **compression) -> LLMEngine:
     """The real engine over a fake device; ``compression``: the scheduler's compression arguments."""
     settings = dict(compression=False, kv_budget_pages=8, admission="reserved", async_compression=True,
                     compression_min_batch=1, compression_max_wait_steps=0, num_query_rows=None,
@@ -203,19 +214,21 @@ def fake_engine(num_pages, max_num_seqs=4, max_num_batched_tokens=16, max_num_pr
     assert not unknown, unknown
     settings.update(compression)
     num_query_rows = (settings.pop("num_query_rows") or max_num_seqs) if settings["compression"] else 0
-    plan = SimpleNamespace(num_query_rows=num_query_rows, max_compression_pages=settings.pop("max_compression_pages"))
+    plan = SimpleNamespace(num_pages=num_pages, num_query_rows=num_query_rows, max_concurrency=max_num_seqs,
+                           max_compression_pages=settings.pop("max_compression_pages"))
     sched_config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_prefill_seqs=max_num_prefill_seqs, scoring=ScoringConfig(window=WINDOW),
                                    **settings)  # toy sizes EngineConfig would reject
-    scheduler = Scheduler(PageManager(num_pages, PAGE, prefix_caching), sched_config, plan)
+    scheduler = scheduler_cls(PageManager(num_pages, PAGE, prefix_caching), sched_config, plan)
     config = EngineConfig(model="fake-device", max_model_len=4096, metrics_interval_steps=0)
-    return LLMEngine(config, scheduler=scheduler, runner=FakeDevice(scheduler))
+    model_cfg = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(), max_position_embeddings=4096)
+    return LLMEngine(config, model_cfg, scheduler=scheduler, worker=FakeDevice(scheduler, plan))
 
 
 def run(engine: LLMEngine, requests: list[Request], arrivals=None, aborts=None, max_steps=5000, on_step=None):
     """Step the engine until every request finished, adding each at its arrival step and aborting those of
     ``aborts`` (step -> requests) then, with the invariants checked after every change."""
-    device, s = engine.runner, engine.scheduler
+    device, s = engine.worker, engine.scheduler
     arrivals = arrivals or {r.request_id: 0 for r in requests}
     aborts = aborts or {}
     step = 0
@@ -235,7 +248,7 @@ def run(engine: LLMEngine, requests: list[Request], arrivals=None, aborts=None, 
     assert all(r.status.finished for r in requests)
     assert not s.has_work() and engine.page_manager.num_used_pages == 0 and not engine.page_manager.deferred
     assert sorted(s.free_token_rows) == list(range(s.max_num_seqs))
-    assert sorted(s.free_query_rows) == list(range(s.num_query_rows)) and s.committed_pages == 0
+    assert sorted(s.query_rows.free) == list(range(s.query_rows.num_rows)) and s.query_rows.committed_pages == 0
 
 
 # rows and prompt tokens a step may take, growing (sorted) as a background warm-up's compiles finish
@@ -243,10 +256,10 @@ limits_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 16)), min_size=
 
 
 def growing_limits(engine: LLMEngine, limits: list[tuple[int, int]], steps_each: int):
-    """Start ``engine`` as after a ready-early warm-up whose runner limits steps to ``limits[0]``, then the next
+    """Start ``engine`` as after a ready-early warm-up whose worker limits steps to ``limits[0]``, then the next
     every ``steps_each`` steps, then none; returns the ``run`` hook that checks each step kept within its limits:
     no more running requests than rows (decode rows are among them) and no more prompt tokens."""
-    device = engine.runner
+    device = engine.worker
     device.step_limits = limits[0]
     assert engine.warmup(ready_early=True)["background"]
     step = [0]

@@ -30,7 +30,12 @@ def _checkpoint_params(path, cfg, dtype):
 def checkpoint_params(engine):
     """The layer-stacked weights of the engine's checkpoint, loaded on their own for the dense oracle (the engine
     itself holds the serving layout)."""
-    return _checkpoint_params(engine.config.model, engine.model_cfg, engine.dtype)
+    return _checkpoint_params(engine.config.model, engine.model_cfg, engine.memory_plan.dtype)
+
+
+def warmup_programs(worker) -> list:
+    """Every program the worker's warm-up compiles, in its order."""
+    return [p for bucket in worker.catalog.warmup_buckets(worker.params, worker.state) for p in bucket.programs]
 
 
 def layer0_qk(engine, tokens, positions):

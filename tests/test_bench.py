@@ -108,7 +108,7 @@ def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path,
     assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
     assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
     phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it
-    assert list(phases) == ["backend", "config", "plan_and_pool", "weights", "runner"]
+    assert list(phases) == ["config", "backend", "plan_and_pool", "weights", "runner"]
     assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= report["init_s"]
     assert phases["weights"] == report["weights_s"]
     # no cache directory, so no stored pipeline: transformers' tokenizer, loaded at the end of the warm-up

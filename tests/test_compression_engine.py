@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params, mixed_workload
+from helpers import checkpoint_params, mixed_workload, warmup_programs
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.models import forward_dense
 from zipage_jax.worker.programs import Programs
@@ -97,7 +97,7 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     warm = llm.generate([prefix], dataclasses.replace(GREEDY, max_tokens=1), use_tqdm=False)
     assert warm[0].outputs[0].token_ids
     shared = [engine.page_manager.hash_to_page[h] for h in list(engine.page_manager.hash_to_page)[:2]]
-    before = np.asarray(engine.runner.state.k_pool[:, shared]), np.asarray(engine.runner.state.v_pool[:, shared])
+    before = np.asarray(engine.worker.state.k_pool[:, shared]), np.asarray(engine.worker.state.v_pool[:, shared])
     # the holder keeps a reference to the shared pages while the others compress (and copy them on write)
     engine.add_request("holder", prefix + random_prompt(rng, 4), dataclasses.replace(GREEDY, kv_budget_pages=8))
     for i in range(4):
@@ -115,8 +115,8 @@ def test_pages_bounded_shared_prefix_intact_and_no_leaks(knobs):
     compressed = [finished[f"r{i}"].metrics for i in range(4)]
     assert all(m["num_compressions"] >= 3 for m in compressed)
     assert all(m["peak_kv_pages_after_compression"] <= budget + 1 for m in compressed)
-    np.testing.assert_array_equal(np.asarray(engine.runner.state.k_pool[:, shared]), before[0])
-    np.testing.assert_array_equal(np.asarray(engine.runner.state.v_pool[:, shared]), before[1])
+    np.testing.assert_array_equal(np.asarray(engine.worker.state.k_pool[:, shared]), before[0])
+    np.testing.assert_array_equal(np.asarray(engine.worker.state.v_pool[:, shared]), before[1])
     assert engine.metrics()["kv_pages_used"] == 0
 
 
@@ -175,11 +175,11 @@ def test_ready_early_serves_within_the_compiled_buckets_then_compiles_the_rest(m
     monkeypatch.setattr(Programs, "compile_in_background", lambda *args, **kwargs: held.append((args, kwargs)))
     llm = make_llm(compression=True, kv_budget_pages=2, max_num_seqs=16, max_num_batched_tokens=64,
                    max_model_len=192)
-    runner, programs = llm.engine.runner, llm.engine.runner.programs
+    worker, programs = llm.engine.worker, llm.engine.worker.programs
     report = llm.engine.warmup(ready_early=True)
-    every = {p.key for p in runner.warmup_programs()}
+    every = {p.key for p in warmup_programs(worker)}
     assert report["programs"] + report["background"] == len(every) and report["background"] > 0
-    assert runner.limits() == (8, 16)  # the smallest decode and prefill buckets
+    assert worker.limits() == (8, 16)  # the smallest decode and prefill buckets
     peak = collections.Counter()
 
     def note(record):
@@ -193,7 +193,7 @@ def test_ready_early_serves_within_the_compiled_buckets_then_compiles_the_rest(m
 
     start_background(*held[0][0], **held[0][1])
     programs.join_background()
-    assert every <= set(programs.compiled) and runner.limits() is None
+    assert every <= set(programs.compiled) and worker.limits() is None
     assert not llm.metrics()["compiling_in_background"]
     full = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in limited] == [o.outputs[0].token_ids for o in full], seed

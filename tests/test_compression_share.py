@@ -10,7 +10,11 @@ import pytest
 
 from helpers import mixed_workload
 from zipage_jax import LLM
+from zipage_jax.benchmarks.probes import CompressionTimer
+from zipage_jax.core.scheduler_output import SchedulerStats
 from zipage_jax.engine import metrics as metrics_module
+from zipage_jax.engine.metrics import EngineStats
+from zipage_jax.worker.worker import WorkerStats
 from seeds import fresh_seed
 
 WARMUP_S, STEP_S = 1000.0, 0.5
@@ -24,19 +28,25 @@ class FakeClock:
         return self.now
 
 
-def test_steady_share_excludes_warmup(monkeypatch):
+@pytest.mark.parametrize("async_compression", [True, False])
+def test_steady_share_excludes_warmup(monkeypatch, async_compression):
+    """Asynchronous compressions are timed by a benchmark's observer (``CompressionTimer``), synchronous ones by the
+    worker (the host waits for them anyway); either way the steady share leaves the warm-up out."""
     clock = FakeClock()
     monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     llm = LLM("tests/fixtures/hf/qwen3_untied", page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_pages=2)
+              max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_pages=2,
+              async_compression=async_compression)
     engine = llm.engine
-    warmup = engine.runner.warmup
+    if async_compression:
+        engine.add_compression_observer(CompressionTimer())
+    warmup = engine.worker.warmup
 
     def slow_warmup(progress=None, stop=None, ready_early=False):
         clock.now += WARMUP_S  # a long warm-up: it must not dilute the steady share
         return warmup(progress, stop, ready_early)
 
-    engine.runner.warmup = slow_warmup
+    monkeypatch.setattr(engine.worker, "warmup", slow_warmup)
     llm.warmup(use_tqdm=False)
     compiles = llm.metrics()["num_compiles"]
     step, steps = engine.step, []
@@ -46,56 +56,60 @@ def test_steady_share_excludes_warmup(monkeypatch):
         steps.append(1)
         return step(*args, **kwargs)
 
-    engine.step = timed_step
+    monkeypatch.setattr(engine, "step", timed_step)
     seed = fresh_seed()
     prompts, params = mixed_workload(np.random.default_rng(seed), 250, 4, 60)
     params = [dataclasses.replace(p, max_tokens=60 + p.max_tokens) for p in params]
     llm.generate(prompts, params, use_tqdm=False)
     m = llm.metrics()
-    compressing = engine.runner.compression_seconds
+    compressing = engine.stats().worker.compression_s
     assert m["num_compiles"] == compiles and m["num_compressions"] > 0 and compressing > 0, seed
     assert m["steady_compression_time_share"] == pytest.approx(compressing / (len(steps) * STEP_S), rel=1e-12), seed
     assert m["compression_time_share"] == pytest.approx(compressing / (WARMUP_S + len(steps) * STEP_S),
                                                         rel=1e-12), seed
 
 
+def stats(compression_s, compile_s, steps=0, decode_tokens=0) -> EngineStats:
+    """A snapshot with only the counters the shares and rates read (the rest zero)."""
+    scheduler = SchedulerStats(*[0] * 8, kv_pages_total=8, kv_pages_used=0, prefix_cache_hit_rate=0.0)
+    worker = WorkerStats(compile_s=compile_s, compiled_on_use=0, compiling_in_background=False,
+                         compression_dispatches=0, compression_s=compression_s, wide_compression_s=0.0)
+    return EngineStats(scheduler, worker, collections.Counter(steps=steps, decode_tokens=decode_tokens), 0, 1)
+
+
 def test_steady_share_subtracts_compiles_after_warmup(monkeypatch):
-    """Programs compiled on first use after warm-up are start-up too (a stub engine: only the counters matter)."""
+    """Programs compiled on first use after warm-up are start-up too (only the counters matter)."""
     clock = FakeClock()
     monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    runner = types.SimpleNamespace(compression_seconds=0.0, programs=types.SimpleNamespace(compile_wall_s=0.0))
-    stub = types.SimpleNamespace(runner=runner)
-    history = metrics_module.MetricsHistory(0)
-    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 100.0, 1.0, 5.0  # warm-up's share
-    history.mark_steady(stub)
-    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 200.0, 3.0, 25.0
-    assert history.steady_compression_share(stub) == pytest.approx(2.0 / (100.0 - 20.0))
-    assert history.compression_share(stub) == pytest.approx(3.0 / 200.0)
+    meter = metrics_module.Meter(0)
+    clock.now = 100.0
+    meter.mark_steady(stats(1.0, 5.0))  # warm-up's share
+    clock.now = 200.0
+    m = meter.metrics(stats(3.0, 25.0))
+    assert m["steady_compression_time_share"] == pytest.approx(2.0 / (100.0 - 20.0))
+    assert m["compression_time_share"] == pytest.approx(3.0 / 200.0)
+    assert meter.metrics(stats(None, 25.0))["compression_time_share"] is None  # not measured: unknown, not 0
 
 
 def test_reset_starts_the_history_and_the_shares_afresh(monkeypatch):
     """``LLMEngine.reset_metrics_history`` (a benchmark's workload after its warm-up): no samples, and rates and
-    shares count from the reset (a stub engine: only the counters matter)."""
+    shares count from the reset (only the counters matter)."""
     clock = FakeClock()
     monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    runner = types.SimpleNamespace(compression_seconds=0.0, programs=types.SimpleNamespace(compile_wall_s=0.0))
-    scheduler = types.SimpleNamespace(running=[], waiting=[], swapped=[], num_stalled=0, num_query_rows=0,
-                                      free_query_rows=[], num_preemptions=0, num_swaps=0)
-    stub = types.SimpleNamespace(runner=runner, scheduler=scheduler, totals=collections.Counter(),
-                                 page_manager=types.SimpleNamespace(num_used_pages=0, num_pages=9))
-    history = metrics_module.MetricsHistory(1)
-    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 40.0, 8.0, 10.0
-    stub.totals.update(steps=1, decode_tokens=100)
-    history.maybe_sample(stub)
-    assert len(history.samples) == 1
+    meter = metrics_module.Meter(1)
+    clock.now = 40.0
+    meter.totals.update(steps=1)
+    assert meter.due()
+    meter.sample(stats(8.0, 10.0, steps=1, decode_tokens=100))
+    assert len(meter.samples) == 1
     clock.now = 50.0
-    history.reset(stub)
-    assert not history.samples and history.compression_share(stub) == 0.0
-    clock.now, runner.compression_seconds, runner.programs.compile_wall_s = 60.0, 10.0, 12.0
-    stub.totals.update(steps=1, decode_tokens=30)
-    history.maybe_sample(stub)
-    (sample,) = history.samples
-    assert sample["time_s"] == 10.0 and sample["decode_tokens_per_s"] == 3.0
+    meter.reset(stats(8.0, 10.0, steps=1, decode_tokens=100))
+    assert not meter.samples and meter.metrics(stats(8.0, 10.0))["compression_time_share"] == 0.0
+    clock.now = 60.0
+    meter.sample(stats(10.0, 12.0, steps=2, decode_tokens=130))
+    (sample,) = meter.samples
+    assert sample["time_s"] == 10.0 and sample["decode_tokens_per_s"] == 3.0 and sample["step"] == 2
     assert sample["compression_time_share"] == pytest.approx(0.2)
-    assert history.compression_share(stub) == pytest.approx(2.0 / 10.0)
-    assert history.steady_compression_share(stub) == pytest.approx(2.0 / (10.0 - 2.0))  # less the compile time
+    m = meter.metrics(stats(10.0, 12.0))
+    assert m["compression_time_share"] == pytest.approx(2.0 / 10.0)
+    assert m["steady_compression_time_share"] == pytest.approx(2.0 / (10.0 - 2.0))  # less the compile time

@@ -11,7 +11,7 @@ from helpers import checkpoint_params, mixed_workload
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.sampling_params import completion_budget
 from zipage_jax.models import forward_dense
-from zipage_jax.worker.model_runner import Runner
+from zipage_jax.worker.worker import Executor
 from seeds import fresh_seed, seeded_rng
 from waiting import HANG_S
 
@@ -203,11 +203,11 @@ def test_every_step_donates_the_whole_device_state(llm):
     """Pools, caches and token buffer travel as one donated pytree: after a prefill and a decode step the state
     they were given is gone (updated in place), the fields a step leaves alone included."""
     engine = llm.engine
-    assert isinstance(engine.runner, Runner)  # the whole protocol the step loop is written against
+    assert isinstance(engine.worker, Executor)  # the whole protocol the step loop is written against
     engine.add_request("donate", [5, 6, 7], dataclasses.replace(GREEDY, max_tokens=3))
     kinds = []
     while engine.has_unfinished_requests():
-        before = jax.tree.leaves(engine.runner.state)
+        before = jax.tree.leaves(engine.worker.state)
         engine.step()
         if engine._in_flight:
             kinds += [handle.kind for handle in engine._in_flight]
@@ -290,7 +290,8 @@ def test_a_model_directory_without_a_tokenizer_is_a_value_error_at_once(tmp_path
 
 def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_path):
     """The tokenizer loads beside the pool, the weights and the warm-up; its end-of-sequence token joins the
-    engine's (and the runner's) only once it is there, and the first use waits for it."""
+    engine's (and the worker's, whose sampling bans it below ``min_tokens``) only once it is there, and the first use
+    waits for it."""
     import json
     import shutil
 
@@ -301,9 +302,9 @@ def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_p
     llm = LLM(str(model), page_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
               compilation_cache_dir=None)
     engine = llm.engine
-    assert engine.eos_token_ids == (5,) and engine.runner.eos_token_ids == (5,)  # the config's alone, so far
+    assert engine.eos_token_ids == (5,) and engine.worker.layout.eos_token_ids == (5,)  # the config's alone, so far
     assert engine.tokenizer.eos_token_id == 2
-    assert engine.eos_token_ids == (2, 5) and engine.runner.eos_token_ids == (2, 5)
+    assert engine.eos_token_ids == (2, 5) and engine.worker.layout.eos_token_ids == (2, 5)
 
 
 def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike(tmp_path):

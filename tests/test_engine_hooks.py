@@ -1,12 +1,13 @@
 """The engine's public hooks, which the benchmarks drive it through (docs/ARCHITECTURE.md, Engine step): ``drain``,
-step observers, ``ModelRunner.replay_last_decode`` (parking: tests/test_scheduler.py). Oracle: the same greedy
-requests run straight through ``generate``."""
+step observers, and the benchmarks' own probes over them: ``DecodeReplay`` (``HoldingScheduler``:
+tests/test_scheduler.py). Oracle: the same greedy requests run straight through ``generate``."""
 
 import numpy as np
 import pytest
 
 from seeds import seeded_rng
 from zipage_jax import LLM, SamplingParams
+from zipage_jax.benchmarks.probes import DecodeReplay
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -32,18 +33,18 @@ def test_observers_see_every_step_and_drain_dispatches_nothing(llm):
         engine.add_request(f"obs-{i}", prompt, GREEDY)
     got, steps = {}, 0
     while engine.has_unfinished_requests():
-        calls = engine.runner.programs.call_s
+        calls = engine.worker.programs.call_s
         outputs = engine.step()
         steps += 1
         record = records[-1]
-        assert len(records) == steps and (engine.runner.programs.call_s > calls) == (not record.scheduled.empty)
+        assert len(records) == steps and (engine.worker.programs.call_s > calls) == (not record.scheduled.empty)
         assert 0 <= record.read_back_s <= record.step_s
         assert 0 <= record.schedule_s and 0 <= record.dispatch_s and record.schedule_s + record.dispatch_s <= record.step_s
         if steps == 4:  # mid-decode: everything sampled so far comes back, and nothing is dispatched
-            calls = engine.runner.programs.call_s
+            calls = engine.worker.programs.call_s
             drained = {out.request_id: out for out in engine.drain()}
             got.update((i, out.outputs[0].token_ids) for i, out in drained.items() if out.finished)
-            assert engine.runner.programs.call_s == calls and len(records) == steps
+            assert engine.worker.programs.call_s == calls and len(records) == steps
             sampled = {r.request_id: 0 for r in record.scheduled.decodes}
             for out in drained.values():  # one more token each than the step's own outputs said
                 before = next(o for o in outputs if o.request_id == out.request_id)
@@ -63,7 +64,7 @@ def test_replayed_decode_samples_the_same_and_leaves_the_requests_intact(llm):
     rewrites the same KV, so the requests then decode on exactly as without it."""
     engine = llm.engine
     prompts, want = prompts_and_oracle(llm)
-    records = []
+    records, replay = [], DecodeReplay(engine.worker)
     engine.add_step_observer(records.append)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"replay-{i}", prompt, GREEDY)
@@ -76,7 +77,7 @@ def test_replayed_decode_samples_the_same_and_leaves_the_requests_intact(llm):
             got.update((out.request_id, out.outputs[0].token_ids) for out in drained if out.finished)
             outputs = {out.request_id: out.outputs[0].token_ids for out in drained}
             for _ in range(2):
-                tokens = np.asarray(engine.runner.replay_last_decode())[:len(decodes)]
+                tokens = np.asarray(replay())[:len(decodes)]
                 assert tokens.tolist() == [outputs[r.request_id][-1] for r in decodes]
             replays += 1
     engine.remove_step_observer(records.append)

@@ -25,18 +25,16 @@ def test_trace_positions_match_the_pool_keys_and_the_protected_slots():
     llm = LLM(MODEL, page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
               compilation_cache_dir=None, compression=True, kv_budget_pages=BUDGET, window=WINDOW,
               sink_tokens=SINKS)
-    trace = EvictionTrace(llm)
-    runner, kept_keys = llm.engine.runner, {}
-    traced = runner._compress_group
+    trace, kept_keys = EvictionTrace(llm), {}
 
-    def keys_after(group, budget, rows, width):  # layer-0 keys of each request's destination pages
-        traced(group, budget, rows, width)
-        for c in group:
-            pages = np.asarray(runner.state.k_pool[0, np.asarray(c.dst_pages)])  # [P, Hkv, S, D]
+    def keys_after(dispatch, run):  # layer-0 keys of each request's destination pages (a second observer)
+        run()
+        for c in dispatch.compressions:
+            pages = np.asarray(dispatch.state().k_pool[0, np.asarray(c.dst_pages)])  # [P, Hkv, S, D]
             kept_keys[(c.request.request_id, c.logical_len)] = pages.transpose(1, 0, 2, 3).reshape(
                 pages.shape[1], -1, pages.shape[-1])
 
-    runner._compress_group = keys_after
+    llm.engine.add_compression_observer(keys_after)
     prompts = [rng.integers(3, 250, size=n).tolist() for n in (5, 21, 40)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6 * PAGE, ignore_eos=True),
                            use_tqdm=False)

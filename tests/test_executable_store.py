@@ -126,7 +126,7 @@ WARM_START = textwrap.dedent("""
     report = llm.warmup(use_tqdm=False)
     out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                        use_tqdm=False)
-    store = llm.engine.runner.programs.store
+    store = llm.engine.worker.programs.store
     print(json.dumps(dict(programs=report["programs"], traces=sum(e.endswith("trace_duration") for e in events),
                           compiles=sum(e.endswith("backend_compile_duration") for e in events),
                           loaded=store.loaded, saved=store.saved, tokens=out[0].outputs[0].token_ids)))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import layer0_qk
+from zipage_jax.worker.input_batch import compression_batch
 from zipage_jax import LLM, SamplingParams
 from seeds import fresh_seed
 
@@ -29,19 +30,21 @@ TIE = 1e-5  # scores closer than this to the keep threshold may fall either way 
 
 
 def record_compressions(llm):
-    """Wrap the runner's compression dispatch: every call appends the batch and the caches around it."""
-    runner, events = llm.engine.runner, []
-    dispatch = runner._compress_group
+    """Observe the engine's compression dispatches: every one appends its batch and the caches around it."""
+    events = []
 
-    def spy(group, budget, rows, width):
-        batch = jax.tree.map(np.asarray, runner._compression_batch(group, budget, rows, width))
-        before = tuple(np.array(x) for x in (runner.state.k_pool, runner.state.query_cache))
-        dispatch(group, budget, rows, width)
+    def spy(dispatch, run):
+        shape, group = dispatch.shape, dispatch.compressions
+        batch = jax.tree.map(np.asarray, compression_batch(group, shape.budget, shape.rows, shape.width))
+        state = dispatch.state()
+        before = tuple(np.array(x) for x in (state.k_pool, state.query_cache))
+        run()
         ids = [c.request.request_id.rsplit("-", 1)[0] for c in group]
+        state = dispatch.state()
         events.append(dict(batch=batch, ids=ids, k_before=before[0], queries=before[1],
-                           k_after=np.array(runner.state.k_pool), scores_after=np.array(runner.state.score_cache)))
+                           k_after=np.array(state.k_pool), scores_after=np.array(state.score_cache)))
 
-    runner._compress_group = spy
+    llm.engine.add_compression_observer(spy)
     return events
 
 

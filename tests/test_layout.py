@@ -107,7 +107,7 @@ def test_no_import_cycles():
 
 def test_the_layer_test_sees_imports():
     """The graph is not vacuous: known edges are there (a parser that missed imports would pass the tests above)."""
-    assert "zipage_jax.worker.model_runner" in GRAPH["zipage_jax.engine.llm_engine"]
+    assert "zipage_jax.worker.worker" in GRAPH["zipage_jax.engine.llm_engine"]
     assert "zipage_jax.config" in GRAPH["zipage_jax.compression.scoring"]
     assert "zipage_jax.engine.llm_engine" in GRAPH["zipage_jax.entrypoints.api_server"]  # a late import counts
 
@@ -145,8 +145,8 @@ def test_public_names_load_lazily():
 
 
 # -- benchmarks drive the engine through its public seams -------------------------------------------------------
-ENGINE_ROOTS = {"engine", "llm", "scheduler", "runner", "page_manager", "request"}  # names that hold engine objects
-ENGINE_MAKERS = {"LLMEngine", "LLM", "Request", "Scheduler", "ModelRunner", "make_engine"}
+ENGINE_ROOTS = {"engine", "llm", "scheduler", "worker", "runner", "page_manager", "request"}  # hold engine objects
+ENGINE_MAKERS = {"LLMEngine", "LLM", "Request", "Scheduler", "Worker", "ModelRunner", "make_engine"}
 MUTATORS = {"append", "appendleft", "extend", "insert", "remove", "pop", "popleft", "clear", "update", "add",
             "discard", "setdefault", "sort", "reverse", "__setitem__", "__delitem__"}
 
@@ -244,7 +244,7 @@ def engine_mutations(source: str) -> list[str]:
 
 
 def test_benchmarks_never_change_engine_state_but_through_its_methods():
-    """The benchmarks park, resume, drain, observe and replay through public hooks (docs/ARCHITECTURE.md, Engine
+    """The benchmarks hold, release, drain, observe and replay through public hooks (docs/ARCHITECTURE.md, Engine
     step); none assigns to, deletes or monkeypatches what an engine holds."""
     found = {path.name: engine_mutations(path.read_text()) for path in sorted((PACKAGE / "benchmarks").glob("*.py"))}
     assert not any(found.values()), {name: lines for name, lines in found.items() if lines}
@@ -272,17 +272,47 @@ def bench(engine, make_engine):
 """
     assert len(engine_mutations(bad)) == 10, engine_mutations(bad)
     good = """
-def bench(engine):
-    engine.park(["a"])
+def bench(engine, worker):
+    engine.scheduler.hold([engine.requests["a"]])
     outputs = engine.drain(only_finished=True)
     outputs.append(None)
     seen = []
     engine.add_step_observer(seen.append)
+    engine.add_compression_observer(CompressionTimer())
     row = dict(running=engine.metrics()["num_running"])
     row["tokens"] = [r.output_token_ids for r in engine.requests.values()]
-    engine.runner.replay_last_decode()
+    replay = DecodeReplay(worker)
+    replay()
 """
     assert engine_mutations(good) == []
+
+
+def test_nothing_reaches_into_the_engines_device_side():
+    """The step loop alone talks to the worker: elsewhere in the package no ``engine.worker`` (or the old
+    ``engine.runner``) chain; benchmarks that need the device side build their worker and hold it."""
+    import re
+
+    reach = re.compile(r"\bengine\.(worker|runner)\b")
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.name != "llm_engine.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
+    assert not found, found
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 300
+
+
+def test_modules_and_classes_stay_short_enough_to_read():
+    """No module of the package over 450 lines, no class over 300 (split along what they do)."""
+    long_modules, long_classes = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{path.relative_to(ROOT)} ({len(text.splitlines())})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long_classes.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long_modules and not long_classes, (long_modules, long_classes)
 
 
 def _engine_group_actions(parser) -> set:

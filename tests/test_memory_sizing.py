@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import warmup_programs
 from zipage_jax import LLM
 from zipage_jax.worker import device_memory, kv_cache
-from zipage_jax.worker import packing
-from zipage_jax.compression.step import CompressionBatch
+from zipage_jax.worker.catalog import CompressionShape
 from zipage_jax.config import EngineConfig
 from zipage_jax.models.config import ModelConfig
 from seeds import seeded_rng
@@ -111,11 +111,11 @@ def test_window_policy_holds_and_reserves_no_score_cache():
     engines = {policy: LLM(MODEL, page_size=16, max_num_seqs=2, max_num_batched_tokens=128, max_model_len=64,
                            compression=True, kv_budget_pages=2, eviction_policy=policy,
                            compilation_cache_dir=None).engine for policy in ("window", "zipage")}
-    runner = engines["window"].runner
-    assert runner.state.score_cache.size == 1  # a stand-in
-    assert engines["zipage"].runner.state.score_cache.shape == (CFG.num_layers, engines["zipage"].num_pages,
+    worker = engines["window"].worker
+    assert worker.state.score_cache.size == 1  # a stand-in
+    assert engines["zipage"].worker.state.score_cache.shape == (CFG.num_layers, engines["zipage"].num_pages,
                                                                 CFG.num_kv_heads, 16)
-    k, _, scores, _ = runner.swap_out([1, 2], 0)
+    k, _, scores, _ = worker.swap_out([1, 2], 0)
     assert k.shape[1] == 2 and scores.ndim == 0
 
 
@@ -216,21 +216,16 @@ def test_bad_budgets_and_bounds_raise():
 def test_scratch_estimates_bound_what_xla_allocates():
     llm = LLM(MODEL, page_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
               compression=True, kv_budget_pages=2, compilation_cache_dir=None, max_compression_pages=64)
-    engine, runner = llm.engine, llm.engine.runner
+    engine, worker = llm.engine, llm.engine.worker
     assert engine.memory_plan.num_query_rows == 8 and llm.metrics()["max_concurrency"] == 8
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-    state = jax.tree.map(spec, runner.state)
     for rows, width in ((4, 16), (16, 3)):
-        batch = CompressionBatch(src_tables=np.zeros((rows, width), np.int32), num_src_pages=np.zeros(rows, np.int32),
-                                 dst_tables=np.zeros((rows, 2), np.int32), query_rows=np.zeros(rows, np.int32),
-                                 logical_lens=np.zeros(rows, np.int32), compressed_before=np.zeros(rows, bool),
-                                 valid=np.zeros(rows, bool))
-        packed, batch_spec = packing.pack(batch)
-        compiled = runner._compress.lower(state, jnp.asarray(packed), spec=batch_spec).compile()
+        program, _ = worker.catalog.compress_program([], CompressionShape(2, width, rows), worker.state)
+        compiled = program.jitted.lower(*jax.tree.map(spec, program.args), **program.static).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= kv_cache.compression_scratch_bytes(
-            engine.model_cfg, engine.config, engine.dtype, rows * width)
-    bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, engine.dtype, 256, "reference")
-    steps = [p for p in runner.warmup_programs() if p.key[0] == "step"]
+            engine.model_cfg, engine.config, worker.dtype, rows * width)
+    bound = kv_cache.step_scratch_bytes(engine.model_cfg, engine.config, worker.dtype, 256, "reference")
+    steps = [p for p in warmup_programs(worker) if p.key[0] == "step"]
     assert {p.name.split()[0] for p in steps} == {"decode", "prefill"}
     for program in steps:
         compiled = program.jitted.lower(*jax.tree.map(spec, program.args), **program.static).compile()
@@ -279,7 +274,7 @@ engine = LLMEngine.from_kwargs("tests/fixtures/hf/qwen3_untied", gpu_memory_util
                                max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
                                compilation_cache_dir=None)
 after = {name: os.environ.get(name) for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
-print("PROBE", json.dumps(dict(at_start=seen, after=after, allocator=dataclasses.asdict(engine.allocator))))
+print("PROBE", json.dumps(dict(at_start=seen, after=after, allocator=dataclasses.asdict(engine.worker.allocator))))
 """
 
 

@@ -8,9 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from seeds import fresh_seed
 from fake_device import PAGE, VOCAB, digest, fake_engine, growing_limits, limits_st, run
+from zipage_jax.benchmarks.probes import HoldingScheduler
 from zipage_jax.core.request import Request, RequestStatus
 from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.worker.model_runner import Runner
+from zipage_jax.worker.worker import Executor
 
 
 def alone(prompt, max_tokens) -> list[int]:
@@ -65,26 +66,30 @@ def test_tight_pool_preempts_and_stays_lossless():
         assert r.output_token_ids == alone(r.prompt_token_ids, 12), seed
 
 
-def test_the_fake_device_is_a_whole_runner():
-    """The engine's warm-up and its steady-state metrics run over the fake device as over the real one (both
-    implement every member of ``Runner`` the engine reads)."""
+def test_the_fake_device_is_a_whole_executor():
+    """The engine's warm-up and its metrics run over the fake device as over the real worker (both implement
+    every member of ``Executor`` the engine reads); unmeasured compression time is None, not 0."""
     engine = fake_engine(num_pages=8, max_num_seqs=2)
-    assert isinstance(engine.runner, Runner)
+    assert isinstance(engine.worker, Executor)
     assert engine.warmup() == dict(programs=0, compile_s=0.0)
     reqs = [Request("r", [1, 2, 0, 1, 2], SamplingParams(temperature=0.0, max_tokens=6), 0)]
     run(engine, reqs)
     assert reqs[0].output_token_ids == alone(reqs[0].prompt_token_ids, 6)
-    assert engine.history.steady_compression_share(engine) == 0.0
+    metrics = engine.metrics()
+    # the first token comes with the prefill, the other five from decode steps
+    assert metrics["steady_compression_time_share"] is None and metrics["generation_tokens_total"] == 5
 
 
 @settings(max_examples=60, deadline=None)
 @given(requests=st.lists(request_st, min_size=1, max_size=6), extra_pages=st.integers(0, 6),
        max_num_seqs=st.integers(1, 4), parks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 25),
                                                                 st.integers(0, 8), st.booleans()), max_size=4))
-def test_parked_requests_keep_their_pages_and_resume_losslessly(requests, extra_pages, max_num_seqs, parks):
-    """``LLMEngine.park``: a parked request neither advances nor loses a page or row while others run (and take
-    no row it holds); resumed, it ends as if it had run alone; aborted while parked, it frees everything."""
-    engine = fake_engine(-(-MAX_LEN // PAGE) + 1 + extra_pages, max_num_seqs)
+def test_held_requests_keep_their_pages_and_resume_losslessly(requests, extra_pages, max_num_seqs, parks):
+    """The decode benchmark's ``HoldingScheduler``: a held request neither advances nor loses a page or row while
+    others run (and take no row it holds); released, it ends as if it had run alone; aborted while held, it frees
+    everything."""
+    engine = fake_engine(-(-MAX_LEN // PAGE) + 1 + extra_pages, max_num_seqs, scheduler_cls=HoldingScheduler)
+    scheduler = engine.scheduler
     reqs = [Request(f"r{i}", head + tail, SamplingParams(temperature=0.0, max_tokens=m), i)
             for i, ((head, tail), m, _) in enumerate(requests)]
     arrivals = {r.request_id: a for r, (_, _, a) in zip(reqs, requests)}
@@ -96,17 +101,21 @@ def test_parked_requests_keep_their_pages_and_resume_losslessly(requests, extra_
     held, step = {}, [0]  # request id -> (its pages, its tokens) when parked
 
     def on_step(engine):
-        for r, (pages, tokens) in held.items():
+        for r, (pages, tokens) in list(held.items()):
+            if reqs_by_id[r].status.finished:  # the token it had in flight ended it
+                assert reqs_by_id[r].page_ids == [] and len(reqs_by_id[r].output_token_ids) == tokens
+                del held[r]
+                continue
             assert reqs_by_id[r].page_ids == pages and len(reqs_by_id[r].output_token_ids) == tokens
         step[0] += 1
         for r, what in events.get(step[0], []):
-            if what == "park" and r.status == RequestStatus.RUNNING and r.request_id not in held:
-                engine.park([r.request_id])
+            if what == "park" and r in scheduler.running:
+                scheduler.hold([r])
                 held[r.request_id] = (list(r.page_ids), len(r.output_token_ids))
             elif what != "park" and r.request_id in held:
                 del held[r.request_id]
-                engine.abort_request(r.request_id) if what == "abort" else engine.resume([r.request_id])
-        engine.runner.check_state()
+                engine.abort_request(r.request_id) if what == "abort" else scheduler.release([r])
+        engine.worker.check_state()
 
     reqs_by_id = {r.request_id: r for r in reqs}
     max_steps = 100 + sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in reqs) * 4
@@ -135,28 +144,29 @@ def test_steps_stay_within_the_limits_of_a_ready_early_warmup(requests, extra_pa
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == alone(r.prompt_token_ids, r.sampling_params.max_tokens), r.request_id
-    engine.runner.step_limits = None
+    engine.worker.step_limits = None
     engine.step()
     assert (engine.scheduler.max_running, engine.scheduler.max_step_tokens) == (max_num_seqs, 16)
 
 
-def test_park_and_resume_check_their_requests():
-    """Only running requests park and only parked ones resume; a bad id changes nothing."""
-    engine = fake_engine(num_pages=8, max_num_seqs=2)
-    for i in range(3):
-        engine.add(Request(f"r{i}", [1, 2, 0], SamplingParams(temperature=0.0, max_tokens=4), i))
+def test_hold_and_release_check_their_requests():
+    """Only running requests are held and only held ones released; a bad request changes nothing."""
+    engine = fake_engine(num_pages=8, max_num_seqs=2, scheduler_cls=HoldingScheduler)
+    scheduler = engine.scheduler
+    reqs = [Request(f"r{i}", [1, 2, 0], SamplingParams(temperature=0.0, max_tokens=4), i) for i in range(3)]
+    for r in reqs:
+        engine.add(r)
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["r0", "r1"]
-    for bad in (["r0", "r2"], ["nope"]):  # r2 waits: max_num_seqs
-        with pytest.raises(ValueError, match="request_ids"):
-            engine.park(bad)
-    with pytest.raises(ValueError, match="request_ids"):
-        engine.resume(["r0"])
-    assert engine.scheduler.parked == []
-    engine.park(["r0"])
+    assert [r.request_id for r in scheduler.running] == ["r0", "r1"]
+    with pytest.raises(ValueError, match=r"requests: \['r2'\] are not running"):  # r2 waits: max_num_seqs
+        scheduler.hold(reqs[::2])
+    with pytest.raises(ValueError, match="are not held"):
+        scheduler.release(reqs[:1])
+    assert scheduler.held == []
+    scheduler.hold(reqs[:1])
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["r1"]  # r0 holds its row: r2 still waits
-    engine.runner.check_state()
+    assert [r.request_id for r in scheduler.running] == ["r1"]  # r0 holds its row: r2 still waits
+    engine.worker.check_state()
     engine.abort_request("r1")
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["r2"]
+    assert [r.request_id for r in scheduler.running] == ["r2"]

@@ -117,7 +117,7 @@ def test_memory_pressure_swaps_compressed_requests_losslessly():
                     SamplingParams(temperature=0.0, max_tokens=30, kv_budget_pages=b), i)
             for i, b in enumerate([3, 1, 1])]
     run(engine, reqs)
-    stats = engine.runner.stats
+    stats = engine.worker.counts
     assert stats["swaps"] > 0 and stats["compressions"] > 0, seed
     for r in reqs:
         assert r.num_swaps == (r.request_id == "r2"), seed
@@ -131,7 +131,7 @@ def test_hybrid_admission_runs_more_than_the_query_rows_and_stalls_at_the_window
     constrained = compressing_engine(num_pages=40, max_num_seqs=4, num_query_rows=1, budget=2, admission="constrained")
     for engine in (hybrid, constrained):
         reqs = long_requests(rng, 4, max_tokens=24)
-        stats = engine.runner.stats
+        stats = engine.worker.counts
 
         def note_peak(engine):
             stats["peak_running"] = max(stats["peak_running"], len(engine.scheduler.running))
@@ -139,8 +139,8 @@ def test_hybrid_admission_runs_more_than_the_query_rows_and_stalls_at_the_window
         run(engine, reqs, on_step=note_peak)
         for r in reqs:
             assert r.output_token_ids == alone(r.prompt_token_ids, 24, None), seed
-    assert constrained.runner.stats["peak_running"] == 1 and hybrid.runner.stats["peak_running"] > 1, seed
-    assert hybrid.runner.stats["stalls"] > 0, seed
+    assert constrained.worker.counts["peak_running"] == 1 and hybrid.worker.counts["peak_running"] > 1, seed
+    assert hybrid.worker.counts["stalls"] > 0, seed
 
 
 def test_reserved_admission_does_not_thrash_where_hybrid_does():
@@ -171,7 +171,7 @@ def test_compression_batch_is_bounded_by_pages():
     reqs = [Request(f"r{i}", rng.integers(0, VOCAB, size=4).tolist(),  # in lockstep: all due together
                     SamplingParams(temperature=0.0, max_tokens=30), i) for i in range(4)]
     run(engine, reqs)
-    assert engine.runner.stats["stalls"] > 0, seed
+    assert engine.worker.counts["stalls"] > 0, seed
     for r in reqs:
         assert r.output_token_ids == alone(r.prompt_token_ids, 30, None), seed
 
@@ -190,7 +190,7 @@ def test_compression_batches_wait_for_company_at_most_max_wait_steps():
 
         def on_step(engine):
             nonlocal streak
-            stalled = engine.runner.last_output.stalled  # slots are plenty: only batching stalls
+            stalled = engine.worker.last_output.stalled  # slots are plenty: only batching stalls
             streak = {id(r): streak.get(id(r), 0) + 1 for r in stalled}
             longest[0] = max([longest[0], *streak.values()])
 
@@ -198,7 +198,7 @@ def test_compression_batches_wait_for_company_at_most_max_wait_steps():
         assert longest[0] <= batching[1], seed
         for r in reqs:
             assert r.output_token_ids == alone(r.prompt_token_ids, 40, None), seed
-        stats = engine.runner.stats
+        stats = engine.worker.counts
         dispatches[batching] = (stats["compression_dispatches"], stats["compressions"])
     (eager, eager_total), (batched, batched_total) = dispatches[(1, 0)], dispatches[(4, 3)]
     assert eager_total == batched_total and batched < eager, (seed, dispatches)

@@ -137,7 +137,7 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
             engine.add(r)
         while engine.has_unfinished_requests():
             engine.step(only_finished=True)
-        return [r.output_token_ids for r in requests], engine.totals["compressions"]
+        return [r.output_token_ids for r in requests], engine.meter.totals["compressions"]
 
     got, got_compressions = generate(backend.name)
     assert traced

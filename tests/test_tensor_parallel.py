@@ -37,7 +37,7 @@ def test_two_way_tensor_parallel_matches_single_device(compression):
     prompts = random_prompts(250)
     _, single = greedy_run(MODEL, prompts, 1, compression)
     engine, sharded = greedy_run(MODEL, prompts, 2, compression)
-    assert len(engine.runner.state.k_pool.sharding.device_set) == 2
+    assert len(engine.worker.state.k_pool.sharding.device_set) == 2
     assert sharded == single
 
 
@@ -66,10 +66,10 @@ def test_four_way_tensor_parallel_matches_single_device_with_only_the_expected_c
     prompts = random_prompts(FOUR_KV.vocab_size)
     _, single = greedy_run(four_kv_heads, prompts, 1, compression)
     engine, sharded = greedy_run(four_kv_heads, prompts, 4, compression)
-    assert len(engine.runner.state.k_pool.sharding.device_set) == 4
+    assert len(engine.worker.state.k_pool.sharding.device_set) == 4
     assert sharded == single
-    assert (engine.totals["compressions"] > 0) == compression
-    compiled = engine.runner.programs.compiled
+    assert (engine.meter.totals["compressions"] > 0) == compression
+    compiled = engine.worker.programs.compiled
     kinds = {key[0] for key in compiled}
     assert kinds == ({"step", "compress"} if compression else {"step"})
     for key, program in compiled.items():

@@ -10,7 +10,7 @@ import pytest
 
 from zipage_jax import bench
 from zipage_jax.config import EngineConfig
-from zipage_jax.benchmarks import throughput
+from zipage_jax.benchmarks import closed_loop, throughput, throughput_report, workloads
 from zipage_jax.benchmarks import throughput as throughput_bench
 from zipage_jax.benchmarks.model_shapes import hbm_peak_bytes_per_s
 
@@ -54,7 +54,7 @@ def test_small_run_reports_both_modes_in_the_documented_format(small_report, cap
         assert [h["time_s"] for h in r["history"]] == sorted(h["time_s"] for h in r["history"])
         assert sum(r["pages_per_request_peak"]) == workload["requests"]
         assert 0 <= r["compression_time_share_steady"] < 1 and r["hbm_roofline_fraction"] > 0
-        assert set(throughput.HEADER.split()) and throughput.format_row(r).split()[0] == r["mode"]
+        assert set(throughput_report.HEADER.split()) and throughput_report.format_row(r).split()[0] == r["mode"]
     full, compressed = report["results"]
     budget = 2  # M of --small: a compressed request holds at most M+1 pages after its first compression
     assert full["num_compressions"] == 0 and compressed["num_compressions"] > 0
@@ -65,19 +65,19 @@ def test_small_run_reports_both_modes_in_the_documented_format(small_report, cap
     assert all(d["dispatches"] <= d["requests"] <= d["dispatches"] * d["rows"] and d["seconds"] > 0
                for d in dispatches)
     assert {d["budget"] for d in dispatches} == {budget} and min(d["width"] for d in dispatches) == budget + 1
-    assert compressed["mode"] + ": compression dispatches " in throughput.format_report(report)
+    assert compressed["mode"] + ": compression dispatches " in throughput_report.format_report(report)
     assert compressed["num_preemptions"] == 0 and full["num_preemptions"] > 0  # the small pool forces recomputes
     assert max(h["pages_per_running_max"] for h in compressed["history"]) <= max(
         budget + 1, -(-workload["prompt_tokens_max"] // 16) + 1)
     assert set(report["ratios"]) >= {"compressed / full (steady)", "compressed / full (incl. start-up)"}
-    text = throughput.format_report(report)
-    assert throughput.HEADER in text and "compressed / full (steady)" in text
+    text = throughput_report.format_report(report)
+    assert throughput_report.HEADER in text and "compressed / full (steady)" in text
 
 
-@pytest.mark.parametrize("name", throughput.WORKLOADS)
+@pytest.mark.parametrize("name", workloads.WORKLOADS)
 def test_workloads_have_their_documented_shape(name):
     budget, page, vocab, max_len = 2048, 256, 151936, 32768
-    w = throughput.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
+    w = workloads.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
     assert len(w.prompts) == len(w.max_tokens) == 2000
     assert all(len(p) + m <= max_len and m >= 1 for p, m in zip(w.prompts, w.max_tokens))
     assert all(0 <= t < vocab for p in w.prompts[:20] for t in p)
@@ -94,15 +94,15 @@ def test_workloads_have_their_documented_shape(name):
         assert max(short) < budget // 2 and np.mean(long) >= 4 * budget
     else:
         assert len({tuple(p[:4 * page]) for p in w.prompts}) == 4 and min(map(len, w.prompts)) >= 4 * page
-    again = throughput.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
+    again = workloads.make_workload(name, 2000, budget, page, vocab, max_len, seed=1)
     assert again == w  # seeded
 
 
 def test_bad_workload_arguments_raise():
     with pytest.raises(ValueError, match="workload"):
-        throughput.make_workload("nope", 4, 64, 16, 128, 512)
+        workloads.make_workload("nope", 4, 64, 16, 128, 512)
     with pytest.raises(ValueError, match="requests"):
-        throughput.make_workload("reasoning", 0, 64, 16, 128, 512)
+        workloads.make_workload("reasoning", 0, 64, 16, 128, 512)
 
 
 def test_a_failing_peer_is_reported_not_raised(tmp_path):
@@ -110,7 +110,7 @@ def test_a_failing_peer_is_reported_not_raised(tmp_path):
     import argparse
 
     args = argparse.Namespace(model=None, model_shape="tiny", peer_requests=2, peer_duration=1.0, peer_timeout=120.0)
-    w = throughput.make_workload("reasoning", 4, 32, 16, 256, 256)
+    w = workloads.make_workload("reasoning", 4, 32, 16, 256, 256)
     config = EngineConfig.from_kwargs("random:tiny", page_size=16, max_num_seqs=4)
     result = throughput.run_peer(args, w, config, str(tmp_path))
     assert result["name"] == "hf" and result["requests"] == 2
@@ -126,7 +126,7 @@ def test_the_peer_steady_rate_leaves_out_its_ramp():
     assert second_half_rate([dict(time_s=0.0, generated=0)]) is None
     peer = dict(tokens_per_s=62.0, tokens_per_s_second_half=100.0)
     full = dict(mode="full", tokens_per_s=1000.0, steady_tokens_per_s=1500.0)
-    assert throughput.ratios([full], peer) == {"full / hf peer (steady)": pytest.approx(1000 / 62),
+    assert throughput_report.ratios([full], peer) == {"full / hf peer (steady)": pytest.approx(1000 / 62),
                                                "full steady window / hf peer second half": pytest.approx(15.0)}
 
 
@@ -171,12 +171,12 @@ def test_steady_window_leaves_out_the_ramp_and_the_tail():
         return 10 * t if t <= 4 else 40 + 100 * (t - 4) if t <= 14 else 1040 + 20 * (t - 14)
 
     samples = [(float(t), tokens(t)) for t in range(21)]
-    assert throughput.steady_window(samples, 100, 14.5) == dict(start_s=5.0, end_s=14.0, tokens=900,
+    assert closed_loop.steady_window(samples, 100, 14.5) == dict(start_s=5.0, end_s=14.0, tokens=900,
                                                                 tokens_per_s=100.0)
     # without the loop's end the drain counts: (1160 - 140) / 15 s
-    assert throughput.steady_window(samples, 100) == dict(start_s=5.0, end_s=20.0, tokens=1020, tokens_per_s=68.0)
-    assert throughput.steady_window(samples, 2000, 14.5) is None  # never reached
-    assert throughput.steady_window(samples, 1040, 14.5) is None  # starts where it ends: no time
+    assert closed_loop.steady_window(samples, 100) == dict(start_s=5.0, end_s=20.0, tokens=1020, tokens_per_s=68.0)
+    assert closed_loop.steady_window(samples, 2000, 14.5) is None  # never reached
+    assert closed_loop.steady_window(samples, 1040, 14.5) is None  # starts where it ends: no time
 
 
 def test_long_reasoning_small_run_is_a_closed_loop_with_a_steady_window(long_reasoning_report):
@@ -216,7 +216,7 @@ def test_long_reasoning_small_run_is_a_closed_loop_with_a_steady_window(long_rea
     budget_pages = 2  # M=2: a compressed request holds at most M+1 pages
     assert compressed["steady"]["pages_per_running_mean"] <= budget_pages + 1
     assert max(h["pages_per_running_max"] for h in full["history"]) > budget_pages + 1
-    text = throughput.format_report(report)
+    text = throughput_report.format_report(report)
     assert "compressed: closed loop of 3" in text and "steady window" in text
     assert "compressed / full (steady window)" in report["ratios"]
 
@@ -247,9 +247,9 @@ def test_aged_start_enters_the_loop_mid_trace():
     """The first `count` requests are those a long-running loop's slots hold: drawn in proportion to their length
     (so their mean length is E[L^2] / E[L], not E[L]), each at an age uniform over it, its generated part in its
     prompt; every request keeps its prompt + output length, and the rest of the workload follows unchanged."""
-    base = throughput.make_workload("long-reasoning", 4096, 2048, 256, 1000, 32768, seed=0)
+    base = workloads.make_workload("long-reasoning", 4096, 2048, 256, 1000, 32768, seed=0)
     count = 384
-    aged = throughput.aged_start(base, count, 1000, seed=0)
+    aged = workloads.aged_start(base, count, 1000, seed=0)
     assert len(aged.prompts) == len(base.prompts) and "aged start" in aged.description
     originals = {tuple(p): (i, o) for i, (p, o) in enumerate(zip(base.prompts, base.max_tokens))}
     sizes = sorted({len(p) for p in base.prompts})
@@ -268,7 +268,7 @@ def test_aged_start_enters_the_loop_mid_trace():
     rest = [i for i in range(len(base.prompts)) if i not in set(picked)]
     assert aged.prompts[count:] == [base.prompts[i] for i in rest[:len(base.prompts) - count]]
     with pytest.raises(ValueError, match="concurrency"):
-        throughput.aged_start(base, 0, 1000)
+        workloads.aged_start(base, 0, 1000)
     with pytest.raises(ValueError, match="aged_start"):
         bench.main(["throughput", "--small", "--aged-start", "--workload", "reasoning"])
 
@@ -280,10 +280,10 @@ def test_the_initial_prefill_ends_when_none_is_mid_prefill_at_the_typical_concur
     running = [0, 3, 4, 4, 7, 9, 10, 10, 10, 10, 9, 10]
     samples = [dict(time_s=float(t), num_prefilling=p, num_running=r)
                for t, (p, r) in enumerate(zip(prefilling, running))]
-    assert throughput.prefill_over_s(samples) == 6.0
-    assert throughput.prefill_over_s(samples, share=0.3) == 3.0
-    assert throughput.prefill_over_s(samples[:1]) is None  # nothing was ever prefilled
-    assert throughput.prefill_over_s(samples[:6]) is None  # still ramping (typical 7: 4 and 9 at t=3 and 5)
+    assert closed_loop.prefill_over_s(samples) == 6.0
+    assert closed_loop.prefill_over_s(samples, share=0.3) == 3.0
+    assert closed_loop.prefill_over_s(samples[:1]) is None  # nothing was ever prefilled
+    assert closed_loop.prefill_over_s(samples[:6]) is None  # still ramping (typical 7: 4 and 9 at t=3 and 5)
 
 
 def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
@@ -301,4 +301,4 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         wide = [d for d in r["compression_dispatches"] if d["width"] > d["budget"] + 1]
         assert (history[-1]["wide_compression_seconds"] > 0) == bool(wide)
         assert r["complete"] and r["generated_tokens"] == report["workload"]["output_tokens_total"]
-    assert "after the initial prefill" in throughput.format_report(report)
+    assert "after the initial prefill" in throughput_report.format_report(report)

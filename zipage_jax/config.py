@@ -180,6 +180,13 @@ class EngineConfig:
         allocation, its share of the memory plan and its swaps all follow this one answer."""
         return self.compression and self.scoring.tracks_history
 
+    def context_length(self, model_context: int) -> int:
+        """``max_model_len``, or the model's context (``model_context``) where unset; longer than it is a
+        ``ValueError``."""
+        if self.max_model_len is not None and self.max_model_len > model_context:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's context of {model_context}")
+        return self.max_model_len or model_context
+
     def options(self) -> dict:
         """The config as flat engine options (the inverse of ``from_kwargs``), ``model`` first: what reports
         record."""

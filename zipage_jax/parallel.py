@@ -2,7 +2,7 @@
 
 Parameters, the KV pool and the query/score caches get NamedShardings and XLA (GSPMD) partitions the jitted
 steps; the attention kernels run per shard inside ``shard_map`` (see ``layers.attention.sharded``), and so does the
-whole compression step (``worker.model_runner._compress_step``). A decode or prefill step then holds two all-reduces a layer
+whole compression step (``worker.steps.compress_step``). A decode or prefill step then holds two all-reduces a layer
 (after ``o_proj`` and after ``down_proj``) and no other collective; a compression holds none.
 With one device this is the identity: the same code path serves both.
 """

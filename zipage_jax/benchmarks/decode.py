@@ -5,13 +5,13 @@
 
 ``decode`` prefills every prompt (``ctx`` random tokens) once; its full pages stay in the prefix cache. Then, for
 each batch size, that many requests start from those prompts (only each prompt's last page is computed again),
-each waits parked (``LLMEngine.park``) until all are prefilled, and the engine's step loop (``LLMEngine.step``:
-schedule → dispatch → read back the previous step) decodes them, observed step by step
+each held out of scheduling (``probes.HoldingScheduler``) until all are prefilled, and the engine's step loop
+(``LLMEngine.step``: schedule → dispatch → read back the previous step) decodes them, observed step by step
 (``LLMEngine.add_step_observer``). Reported per batch size:
 
 - engine tokens/s: ``batch * steps / wall`` of ``steps`` pipelined engine steps;
 - device step time: the same decode step dispatched back to back with no host work in between
-  (``ModelRunner.replay_last_decode``);
+  (``probes.DecodeReplay``);
 - host time per step: wall time of one engine step call, excluding the time it blocks reading back the
   previous result; split into the time inside the jitted call (dispatch, plus any wait the runtime imposes
   there: ``Programs.call_s``) and the Python work around it (scheduling, packing, read-back bookkeeping);
@@ -35,11 +35,13 @@ from zipage_jax.benchmarks.model_shapes import (
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
+from zipage_jax.benchmarks.probes import DecodeReplay, HoldingScheduler
 from zipage_jax.benchmarks.profiling import kernel_breakdown
 from zipage_jax.config import SCORING_FIELDS, EngineConfig
-from zipage_jax.engine.llm_engine import LLMEngine, resolve_dtype
+from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker.worker import Worker, resolve_dtype
 
 # engine options the benchmark sets itself: full KV, the pool sized for every request at full length, the prefix
 # cache carrying the prefilled prompts from one batch size to the next
@@ -51,12 +53,12 @@ UNUSED = ("tokenizer", "kv_budget_pages", *SCORING_FIELDS, "num_query_rows", "ad
           "max_compression_pages", "compression_min_batch", "compression_max_wait_steps")
 
 
-def replay_seconds(engine: LLMEngine, n: int) -> float:
+def replay_seconds(replay: DecodeReplay, n: int) -> float:
     """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""
-    jax.block_until_ready(engine.runner.replay_last_decode())
+    jax.block_until_ready(replay())
     start = time.perf_counter()
     for _ in range(n):
-        tokens = engine.runner.replay_last_decode()
+        tokens = replay()
     jax.block_until_ready(tokens)
     return (time.perf_counter() - start) / n
 
@@ -101,8 +103,10 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     params = weights.to_serving(weights.init_random_params(model_cfg, jax.random.key(config.seed), dtype),
                                 tensor_parallel_size)
     jax.block_until_ready(params)
-    engine = LLMEngine(config, model_cfg, params)
+    worker = Worker.create(config, model_cfg, params=params)
     del params
+    engine = LLMEngine(config, model_cfg, worker=worker, scheduler_cls=HoldingScheduler)
+    replay = DecodeReplay(worker)
     num_pages = engine.num_pages
     if num_pages < max_batch * pages_per_seq + 1:
         raise ValueError(f"batch: {max_batch} requests of {max_model_len} tokens need {max_batch * pages_per_seq} "
@@ -140,7 +144,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             config=dict(ctx=ctx, steps=steps, warmup_steps=warmup_steps, **engine.config.options(),
-                        num_pages=num_pages, num_params=sum(x.size for x in jax.tree.leaves(engine.params))),
+                        num_pages=num_pages, num_params=sum(x.size for x in jax.tree.leaves(worker.params))),
             hbm_peak_bytes_per_s=hbm_peak / tensor_parallel_size, prefill_s_incl_compile=prefill_s,
             results=list(results), hlo=hlo)
 
@@ -151,16 +155,16 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         ids = [f"batch{batch}-{i}" for i in range(batch)]
         for request_id, prompt in zip(ids, prompts):
             engine.add_request(request_id, prompt, greedy)
-        parked = 0
-        while parked < batch:  # each prompt's last page; a prefilled request waits until every one is
+        held = 0
+        while held < batch:  # each prompt's last page; a prefilled request waits until every one is
             del observed[:]
             engine.step(only_finished=True)
             if not observed[-1][1]:
                 raise RuntimeError("decode benchmark: a step prefilled nothing before every request was prefilled")
-            engine.park(observed[-1][5])
-            parked += len(observed[-1][5])
+            engine.scheduler.hold([engine.requests[request_id] for request_id in observed[-1][5]])
+            held += len(observed[-1][5])
         engine.drain(only_finished=True)
-        engine.resume(ids)
+        engine.scheduler.release([engine.requests[request_id] for request_id in ids])
         t = time.perf_counter()
         engine.step(only_finished=True)
         engine.drain(only_finished=True)
@@ -169,19 +173,19 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             engine.step(only_finished=True)
         engine.drain(only_finished=True)
         del observed[:]
-        calls = engine.runner.programs.call_s
+        calls = worker.programs.call_s
         start = time.perf_counter()
         for _ in range(steps):
             engine.step(only_finished=True)
         outputs = engine.drain(only_finished=True)  # the last step's tokens: every request ends here
         engine_step_s = (time.perf_counter() - start) / steps
-        jit_call_s = (engine.runner.programs.call_s - calls) / steps
+        jit_call_s = (worker.programs.call_s - calls) / steps
         assert all(decodes == batch and not chunks for decodes, chunks, *_ in observed) and len(outputs) == batch
         kv_tokens, host, blocked = ([step[i] for step in observed] for i in (2, 3, 4))
-        device_step_s = replay_seconds(engine, steps)
-        hlo_key = hlo_key or engine.runner.last_decode_key
-        breakdown = kernel_breakdown(engine.runner.replay_last_decode) if profile else None
-        weight_bytes = weight_bytes_per_step(engine.params, model_cfg, batch)
+        device_step_s = replay_seconds(replay, steps)
+        hlo_key = hlo_key or replay.program_key
+        breakdown = kernel_breakdown(replay) if profile else None
+        weight_bytes = weight_bytes_per_step(worker.params, model_cfg, batch)
         kv_bytes = float(np.mean(kv_tokens)) * per_token_kv
         step_bytes = weight_bytes + kv_bytes
         row = dict(
@@ -204,7 +208,7 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         t = time.perf_counter()
         kv_heads = model_cfg.num_kv_heads // tensor_parallel_size  # the compiled step holds one shard's pool
         shape = (model_cfg.num_layers, num_pages, kv_heads, page_size, model_cfg.head_dim)
-        text = engine.runner.programs.compiled[hlo_key].as_text()
+        text = worker.programs.compiled[hlo_key].as_text()
         hlo = dict(batch=batches[0], **pool_copies(text, shape, dtype), collectives=collectives(text))
         hlo["inspect_s"] = time.perf_counter() - t
     return make_report(results, hlo), outputs

@@ -2,9 +2,9 @@
 
 The accuracy lab's question when compression costs accuracy: which tokens did the failing runs evict that the
 passing ones kept? The engine stores no positions (a compacted slot is just a key and a value), so the trace
-recovers them from the keys: it wraps the runner's compression dispatch, reads the keys of the source pages
-before a compression (the tokens kept last time, in cache order, then the tokens computed since) and of the
-destination pages after it, and matches the kept keys back to positions in order (compaction is stable, so
+recovers them from the keys: it observes each compression dispatch (``LLMEngine.add_compression_observer``), reads
+the keys of the source pages before a compression (the tokens kept last time, in cache order, then the tokens
+computed since) and of the destination pages after it, and matches the kept keys back to positions in order (compaction is stable, so
 the kept keys are a subsequence of the cached ones). A key is a function of its token, its position (RoPE)
 and its context, so equal keys at two positions of one (layer, head) would be a coincidence of float bits; a
 match that fails raises rather than guess.
@@ -26,21 +26,23 @@ class Snapshot:
 
 
 class EvictionTrace:
-    """Installs itself on ``llm``'s runner; ``snapshots[request_id]`` grows by one per compression."""
+    """Observes ``llm``'s compression dispatches; ``snapshots[request_id]`` grows by one per compression."""
 
     def __init__(self, llm):
-        self.runner = llm.engine.runner
         self.snapshots: dict[str, list[Snapshot]] = {}
-        dispatch = self.runner._compress_group
+        model_cfg = llm.engine.model_cfg
+        self._layers_and_heads = (model_cfg.num_layers, model_cfg.num_kv_heads)
+        llm.engine.add_compression_observer(self._trace)
 
-        def traced(group, budget, rows, width):
-            before = [np.asarray(self.runner.state.k_pool[:, np.asarray(c.src_pages)]) for c in group]
-            dispatch(group, budget, rows, width)
-            for c, keys in zip(group, before):
-                after = np.asarray(self.runner.state.k_pool[:, np.asarray(c.dst_pages)])
-                self._record(c.request.request_id, c.logical_len, _by_head(keys), _by_head(after))
-
-        self.runner._compress_group = traced
+    def _trace(self, dispatch, run):
+        """Read each request's source pages before the dispatch and its destination pages after it."""
+        k_pool = dispatch.state().k_pool
+        before = [np.asarray(k_pool[:, np.asarray(c.src_pages)]) for c in dispatch.compressions]
+        run()
+        k_pool = dispatch.state().k_pool
+        for c, keys in zip(dispatch.compressions, before):
+            after = np.asarray(k_pool[:, np.asarray(c.dst_pages)])
+            self._record(c.request.request_id, c.logical_len, _by_head(keys), _by_head(after))
 
     def _record(self, request_id: str, logical_len: int, cached: np.ndarray, kept: np.ndarray):
         history = self.snapshots.setdefault(request_id, [])
@@ -70,8 +72,7 @@ class EvictionTrace:
         history = self.snapshots.get(request_id)
         if history:
             return len(history[0].positions), len(history[0].positions[0])
-        layers, _, heads = self.runner.state.k_pool.shape[:3]
-        return layers, heads
+        return self._layers_and_heads
 
 
 def _by_head(pages: np.ndarray) -> np.ndarray:

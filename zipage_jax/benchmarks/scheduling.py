@@ -11,10 +11,12 @@ import jax
 import numpy as np
 
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+from zipage_jax.benchmarks.probes import CompressionTimer
 from zipage_jax.config import ADMISSIONS, EngineConfig, add_engine_options, engine_kwargs
-from zipage_jax.engine.llm_engine import LLMEngine, resolve_dtype
+from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker.worker import resolve_dtype
 
 SCHEDULING_VARIANTS = (("async", "reserved"), ("async", "hybrid"), ("sync", "reserved"), ("async", "constrained"))
 # engine options set per variant (compression mode and admission) or by the workload (prompt + output length)
@@ -61,6 +63,8 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
     for mode, admission in variants:
         config = dataclasses.replace(base, async_compression=mode == "async", admission=admission)
         engine = LLMEngine(config, model_cfg, params)
+        if config.async_compression:  # synchronous compressions are timed anyway: the host waits for them
+            engine.add_compression_observer(CompressionTimer())
         if warmup:  # so no measured step compiles
             engine.warmup()
         engine.reset_metrics_history()  # its rates from the workload's start on
@@ -85,7 +89,7 @@ def scheduling_benchmark(model_shape: str, num_requests: int, prompt_len: int, o
             output_tokens=sum(map(len, tokens)), tokens_per_s=sum(map(len, tokens)) / wall,
             host_ms_per_step=float(np.mean(host)) * 1e3, blocked_ms_per_step=float(np.mean(blocked)) * 1e3,
             gpu_idle_upper_ms_per_step=float(np.mean([h if b < 1e-4 else 0.0 for h, b in zip(host, blocked)])) * 1e3,
-            compression_time_share=engine.runner.compression_seconds / wall,
+            compression_time_share=engine.stats().worker.compression_s / wall,
             num_compressions=sum(out.metrics["num_compressions"] for out in done),
             num_swaps=metrics["num_swaps"], num_preemptions=metrics["num_preempted"],
             sizing=engine.memory_plan.as_dict(), history=engine.metrics_history(), tokens=tokens)

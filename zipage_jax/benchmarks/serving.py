@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from zipage_jax.benchmarks.throughput import WORKLOADS, make_workload
+from zipage_jax.benchmarks.workloads import WORKLOADS, make_workload
 from zipage_jax.config import DEFAULT_MODEL, add_engine_options, engine_kwargs
 
 PERCENTILES = (50, 90, 99)

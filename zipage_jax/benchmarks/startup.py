@@ -73,7 +73,7 @@ def startup_benchmark(model: str, engine_options: dict, workload: int = 24, seed
     outs = llm.generate(prompts, params, use_tqdm=False)
     workload_s = time.perf_counter() - t
     compiles_after = llm.metrics()[compiles_key] - compiles
-    llm.engine.runner.programs.join_background()
+    llm.engine.join_background_compiles()
     weights_s = llm.engine.startup_s["weights"]
     return dict(benchmark="startup", model=model, engine_options=engine_options, device=str(jax.devices()[0]),
                 jax_version=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

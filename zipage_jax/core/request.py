@@ -9,7 +9,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"  # compressed, its pages and window queries held in host memory until it resumes
-    PARKED = "parked"  # out of scheduling, holding its pages and rows until resumed (LLMEngine.park)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -37,10 +36,6 @@ class Request:
         self.seed = seed
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
-        # Filled by the engine when the sampling params ask: {token id: Logprob} per resolved output token, and per
-        # prompt token (None for the first and for those not scored yet).
-        self.sample_logprobs: list[dict] | None = None
-        self.prompt_logprobs: list[dict | None] | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.page_ids: list[int] = []
@@ -56,11 +51,6 @@ class Request:
         self.num_evicted = 0  # tokens dropped by compression: physical length = computed - evicted
         self.num_compressions = 0
         self.peak_pages_after_compression = 0
-        self.stop_reason: int | str | None = None
-        self.output_text = ""
-        self.text_complete = False  # the stop check fixed output_text (it cut off a stop string or token)
-        self.first_token_time: float | None = None
-        self.arrival_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

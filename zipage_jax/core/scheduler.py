@@ -1,33 +1,36 @@
-"""Continuous batching on the host: decodes first, then chunked prefills under a per-step token budget.
+"""Continuous batching on the host: decodes first, then chunked prefills under a per-step token budget, with
+compression, preemption and admission.
 
-Admission is FIFO; swapped-out requests come back before anything new is admitted. When pages run out, the
-most recently admitted running request not yet scheduled this step is preempted: an uncompressed one is freed
-and recomputed later from its known tokens (exact), a compressed one (which cannot be recomputed) is swapped
-out to host memory and back. No request is admitted in a step that preempted.
+One ``schedule()`` runs these phases (docs/ARCHITECTURE.md, Scheduling and Compression):
 
-Compression (docs/ARCHITECTURE.md, Compression). A request that holds at least ``M+1`` full pages and needs another
-is compressed first: it keeps ``M`` pages of selected slots plus a recent page. The first compression point is the
-end of the prompt's last page (at least ``M+1`` pages), whatever the chunking: prefill chunks stop there, so
-recomputation and chunking never move it; after it, a request is due again every page. Compression scores with the
-request's last ``W`` window queries, which the device records only for holders of one of ``C`` query rows; so a
-request must hold a query row before it computes any of the last ``W`` tokens before its first compression point, and
-keeps it until it ends. With hybrid or reserved admission, a request without a query row runs until then and stalls
-there until a query row frees (front-most first); a prefill chunk is cut short at that point instead. With reserved
-admission (the default) a request is admitted only while the pages it can hold before its first compression fit
-beside the ``M+1`` of every holder and those of the requests without a query row, so requests running into their
-windows do not thrash the pool by recompute preemption. With constrained admission a request gets its query row on
-admission or waits. A query row is granted only while the ``M+1`` steady-state pages of all holders fit in the pool
-(per-request budgets). The prefix cache never serves the pages of that window (their queries must be computed),
-nor any page of a request that asks for prompt logprobs (a cached page has no logits).
+| phase      | what happens                                                                                        |
+|------------|-----------------------------------------------------------------------------------------------------|
+| finish     | pages released by the last step's compressions return to the free list (they are ordered before      |
+|            | anything dispatched now)                                                                            |
+| running    | each running request in admission order, while the step has tokens left:                            |
+| ·gate      | a request without a query row stops short of the window of its first compression (a prefill chunk   |
+|            | is cut there; a decode stalls) unless a query row is granted now                                    |
+| ·compress  | one due for compression (``M+1`` full pages, needing another) joins the step's compression batch, or |
+|            | stalls while the batch is held back or full; asynchronous mode decodes it next step                 |
+| ·preempt   | pages it needs are taken from the most recently admitted running request not yet scheduled this     |
+|            | step: an uncompressed one is freed and recomputed later (exact), a compressed one is swapped out     |
+| ·decode /  | one token, or the next prompt chunk (within the token budget and ``max_num_prefill_seqs``, never    |
+|  prefill   | past the first compression point)                                                                   |
+| swap-in    | swapped-out requests come back first, in arrival order, if no request was preempted this step       |
+| admit      | then, FIFO, waiting requests start (prefix-cache match, first chunk) as the admission policy allows |
+|            | (``core.admission``)                                                                                |
 
-The due requests of a step form one compression batch, bounded by ``max_compression_pages`` source pages (the
-rest stall a step). A batch is dispatched once ``compression_min_batch`` requests (or all query-row holders) are due or
-one has waited ``compression_max_wait_steps`` steps; until then the due requests stall: with many query-row holders
-about one request falls due each step, and a dispatch has a fixed cost (every layer's kernels) whatever its rows.
-Asynchronous mode: the batch is dispatched after the step's decode and prefill, its
-requests are left out of this step's decode (they decode next step, after their compression in device stream
-order), and the pages it releases are deferred to the next step. Synchronous mode: the batch runs first, the
-host waits for it, and its requests decode in the same step.
+Compression. A request's first compression point is the end of its prompt's last page (at least ``M+1`` pages),
+whatever the chunking: prefill chunks stop there, so recomputation and chunking never move it; after it, a request
+is due again every page. The prefix cache never serves the pages of that window (their queries must be computed),
+nor any page of a request that asks for prompt logprobs (a cached page has no logits). The due requests of a step
+form one compression batch, bounded by ``max_compression_pages`` source pages (the rest stall a step), dispatched
+as ``core.compression_batching`` decides. Asynchronous mode: the batch is
+dispatched after the step's decode and prefill, its requests decode next step, and the pages it releases are
+deferred to the next step. Synchronous mode: the batch runs first and its requests decode in the same step.
+
+A request is written by the scheduler and the page manager only: the worker returns what it produced
+(``dispatched``: the tokens in flight, the swapped-out contents; ``accept``: a token read back).
 """
 
 import bisect
@@ -35,52 +38,30 @@ import collections
 import dataclasses
 
 from zipage_jax.config import EngineConfig
+from zipage_jax.core.admission import ADMISSION
+from zipage_jax.core.compression_batching import CompressionBatching
 from zipage_jax.core.memory_plan import MemoryPlan
 from zipage_jax.core.page_manager import PageManager
+from zipage_jax.core.query_rows import QueryRows
 from zipage_jax.core.request import Request, RequestStatus
+from zipage_jax.core.scheduler_output import (
+    Compression,
+    PrefillChunk,
+    SchedulerOutput,
+    SchedulerStats,
+    SwapIn,
+    SwapOut,
+)
 
 
 @dataclasses.dataclass
-class PrefillChunk:
-    request: Request
-    start: int  # first token index computed by this chunk
-    num_tokens: int
+class _Step:
+    """What one ``schedule()`` has decided so far."""
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last known token, so the step samples its next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclasses.dataclass
-class Compression:
-    request: Request
-    src_pages: list[int]  # live pages read, in order (all full)
-    dst_pages: list[int]  # pages receiving the kept slots
-    logical_len: int  # window queries are positions logical_len - W .. logical_len - 1
-    compressed_before: bool
-
-
-@dataclasses.dataclass
-class SwapOut:
-    request: Request
-    pages: list[int]  # its pages, already released on the host: copy them before anything reuses them
-    query_row: int
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    decodes: list[Request]
-    prefills: list[PrefillChunk]
-    preempted: list[Request]
-    compressions: list[Compression] = dataclasses.field(default_factory=list)
-    swap_outs: list[SwapOut] = dataclasses.field(default_factory=list)
-    swap_ins: list[Request] = dataclasses.field(default_factory=list)  # page_ids / query_row already new
-    stalled: list[Request] = dataclasses.field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decodes and not self.prefills and not self.compressions and not self.swap_ins
+    out: SchedulerOutput
+    token_budget: int
+    compress_now: bool  # the due compressions are dispatched this step
+    compression_pages: int = 0
 
 
 class Scheduler:
@@ -89,32 +70,24 @@ class Scheduler:
         self.page_manager = page_manager
         self.compression = config.compression
         self.kv_budget_pages = config.kv_budget_pages
-        self.max_num_seqs = max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_prefill_seqs = config.max_num_prefill_seqs
         # what this step may take: the configuration's limits, lower while the larger programs still compile
         self.max_running, self.max_step_tokens = self.max_num_seqs, self.max_num_batched_tokens
         self.window = config.scoring.window
-        self.hybrid_admission = config.admission != "constrained"  # requests may run without a query row
-        self.reserve_pages = config.admission == "reserved"  # ... only while the pages they can grow to fit
+        self.admission = ADMISSION[config.admission]
         self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
-        self.num_query_rows = plan.num_query_rows
-        self.compression_min_batch = config.compression_min_batch
-        self.compression_max_wait_steps = config.compression_max_wait_steps
+        self.query_rows = QueryRows(plan.num_query_rows, page_manager.num_pages - 1)
+        self.batching = CompressionBatching(config.compression, config.compression_min_batch,
+                                            config.compression_max_wait_steps)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order
-        self.parked: list[Request] = []  # out of scheduling, holding their pages and rows (``park``)
-        self.free_token_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.free_query_rows = list(range(self.num_query_rows - 1, -1, -1))
-        self.committed_pages = 0  # sum of M+1 over the query-row holders
-        self.num_preemptions = 0
-        self.num_swaps = 0
-        self.num_stalled = 0  # requests that could not advance in the last step (query row or compression bound)
+        self.free_token_rows = list(range(self.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = self.num_swaps = self.num_stalled = 0  # num_stalled: requests held back last step
         self._scheduled: set[int] = set()
-        self._steps = 0
-        self._due_since: dict[int, int] = {}  # id(request) -> step it became due, while its compression waits
 
     def add(self, request: Request):
         self.waiting.append(request)
@@ -123,9 +96,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def limit(self, limits: tuple[int, int] | None):
-        """Cap the running requests (so the decode rows) and the tokens of a step at ``limits`` (None: the
-        configuration's): the programs of larger steps are not compiled yet. Running requests above the cap stay
-        (the runner's limits only grow); new ones wait."""
+        """Cap the running requests (so the decode rows) and a step's tokens at ``limits`` (None: the configuration's)
+        while larger programs still compile; running requests above the cap stay (limits only grow), new ones wait."""
         rows, tokens = limits or (self.max_num_seqs, self.max_num_batched_tokens)
         self.max_running = min(rows, self.max_num_seqs)
         self.max_step_tokens = min(tokens, self.max_num_batched_tokens)
@@ -133,87 +105,92 @@ class Scheduler:
     def budget(self, request: Request) -> int:
         return request.kv_budget(self.kv_budget_pages)
 
+    def stats(self) -> SchedulerStats:
+        pm = self.page_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_stalled=self.num_stalled, num_preemptions=self.num_preemptions, num_swaps=self.num_swaps,
+            num_query_rows=self.query_rows.num_rows, query_rows_used=self.query_rows.num_used,
+            kv_pages_total=pm.num_pages - 1, kv_pages_used=pm.num_used_pages, prefix_cache_hit_rate=pm.hit_rate())
+
+    # -- what the worker produced ----------------------------------------------------------------------------
+    def dispatched(self, handles, swapped_out: dict):
+        """The worker dispatched these steps (each row's next token is in flight) and copied these swapped-out
+        requests' contents to the host (request id -> contents)."""
+        for request in (r for handle in handles for r in handle.requests if r is not None):
+            request.add_pending()
+        for request in (r for r in self.swapped if r.request_id in swapped_out):
+            request.swap_state = swapped_out[request.request_id]
+
+    def accept(self, request: Request, token: int, logprob: float):
+        """A sampled token was read back: it resolves the oldest one in flight, and pages it filled are published
+        to the prefix cache."""
+        request.resolve_pending(token, logprob)
+        self.page_manager.register_full_pages(request)
+
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.page_manager.release_deferred()  # last step's compressions precede everything dispatched now
-        out = SchedulerOutput([], [], [])
+        self.page_manager.release_deferred()  # finish: last step's compressions precede everything dispatched now
+        step = _Step(SchedulerOutput(), self.max_step_tokens,
+                     compress_now=self.batching.dispatch_now(self.running, self._due_for_compression))
         self._scheduled = set()
-        token_budget = self.max_step_tokens
-        compression_pages = 0
-        compress_now = self._compression_batch_ready(self._note_due_compressions())
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            todo = request.num_tokens - request.num_computed_tokens
-            if request.reached_max_tokens or todo < 1 or (todo > 1 and len(out.prefills) >= self.max_num_prefill_seqs):
-                i += 1  # waiting for its last token to come back, or no prefill row left this step
-                continue
-            num_new = 1 if todo == 1 else self._prefill_size(request, todo, token_budget)
-            if self.compression and request.query_row is None:
-                end = self.end_without_query_row(request, request.num_computed_tokens + num_new)
-                if end < request.num_computed_tokens + num_new and not self._grant_query_row(request):
-                    num_new = end - request.num_computed_tokens if todo > 1 else 0
-                    if num_new <= 0:  # stalled at its window until a query row frees
-                        out.stalled.append(request)
-                        i += 1
-                        continue
-            if todo == 1 and self._due_for_compression(request):
-                pages = len(request.page_ids)
-                if not compress_now or (self.max_compression_pages is not None and out.compressions
-                                        and compression_pages + pages > self.max_compression_pages):
-                    out.stalled.append(request)  # the batch is full; compressed next step
-                    i += 1
-                    continue
-                if not self._compress_or_preempt(request, out):
-                    continue  # the request preempted itself
-                compression_pages += pages
-                self._scheduled.add(id(request))
-                if self.async_compression:
-                    i += 1  # not decoded until its compression has run: next step
-                    continue
-            if not self._allocate_or_preempt(request, num_new, out):
-                continue  # the request preempted itself; running[i] is now the next one
-            if todo == 1:
-                out.decodes.append(request)
-            else:
-                out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
-            self._scheduled.add(id(request))
-            request.num_computed_tokens += num_new
-            token_budget -= num_new
-            i += 1
-        if not out.preempted:
-            self._swap_in(out)
+        while i < len(self.running) and step.token_budget > 0:
+            if self._schedule_running(self.running[i], step):
+                i += 1
+        if not step.out.preempted:
+            self._swap_in(step.out)
             if not self.swapped:
-                self._admit(out, token_budget)
-        self.num_stalled = len(out.stalled)
-        return out
+                self._admit(step)
+        self.num_stalled = len(step.out.stalled)
+        return step.out
 
-    @property
-    def _holds_back_compressions(self) -> bool:
-        """Due compressions may wait for company (``compression_min_batch``, ``compression_max_wait_steps``)."""
-        return self.compression and self.compression_max_wait_steps > 0 and self.compression_min_batch > 1
-
-    def _note_due_compressions(self) -> list[Request]:
-        """Count this step and, while compressions may be held back, note since which step each due request has
-        waited; returns the due requests."""
-        self._steps += 1
-        if not self._holds_back_compressions:
-            return []
-        due = [r for r in self.running if r.query_row is not None and not r.reached_max_tokens
-               and r.num_tokens - r.num_computed_tokens == 1 and self._due_for_compression(r)]
-        self._due_since = {id(r): self._due_since.get(id(r), self._steps) for r in due}
-        return due
-
-    def _compression_batch_ready(self, due: list[Request]) -> bool:
-        """Whether this step dispatches the ``due`` compressions: enough are due together (or every query-row
-        holder is), or one has waited long enough (see the module docstring)."""
-        if not self._holds_back_compressions:
+    def _schedule_running(self, request: Request, step: _Step) -> bool:
+        """Gate, compress, allocate (preempting) and decode or prefill one running request (the table above).
+        Returns False when it preempted itself: the next running request then stands where it stood."""
+        todo = request.num_tokens - request.num_computed_tokens
+        decode = todo == 1
+        if request.reached_max_tokens or todo < 1 or (not decode and len(step.out.prefills) >= self.max_num_prefill_seqs):
+            return True  # its last token is still in flight, or no prefill row is left this step
+        num_new = self._gate(request, 1 if decode else self._prefill_size(request, todo, step.token_budget), decode)
+        if num_new <= 0:  # stalled at its window until a query row frees
+            step.out.stalled.append(request)
             return True
-        holders = sum(r.query_row is not None for r in self.running)  # only they fall due: no more company
-        return len(due) >= min(self.compression_min_batch, holders) or any(
-            self._steps - since >= self.compression_max_wait_steps for since in self._due_since.values())
+        if decode and self._due_for_compression(request):
+            pages = len(request.page_ids)
+            if not step.compress_now or (self.max_compression_pages is not None and step.out.compressions
+                                         and step.compression_pages + pages > self.max_compression_pages):
+                step.out.stalled.append(request)  # the batch is held back or full; compressed at a later step
+                return True
+            if not self._compress_or_preempt(request, step.out):
+                return False
+            step.compression_pages += pages
+            self._scheduled.add(id(request))
+            if self.async_compression:
+                return True  # not decoded until its compression has run: next step
+        if not self._allocate_or_preempt(request, num_new, step.out):
+            return False
+        if decode:
+            step.out.decodes.append(request)
+        else:
+            step.out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
+        self._scheduled.add(id(request))
+        request.num_computed_tokens += num_new
+        step.token_budget -= num_new
+        return True
 
-    # -- query rows -------------------------------------------------------------------------------------
+    def _gate(self, request: Request, num_new: int, decode: bool) -> int:
+        """``num_new``, or fewer tokens for a request without a query row that would enter the window of its first
+        compression and gets no row now (0: it stalls)."""
+        if not self.compression or request.query_row is not None:
+            return num_new
+        computed = request.num_computed_tokens
+        end = self.end_without_query_row(request, computed + num_new)
+        if end >= computed + num_new or self._grant_query_row(request):
+            return num_new
+        return 0 if decode else end - computed
+
+    # -- compression points -------------------------------------------------------------------------------
     def first_due(self, request: Request) -> int:
         """Length at which the request is first compressed: the end of its prompt's last page, at least M+1 pages.
 
@@ -233,39 +210,6 @@ class Scheduler:
             n = min(n, self.first_due(request) - request.num_computed_tokens)
         assert n >= 1
         return n
-
-    def _grant_query_row(self, request: Request) -> bool:
-        need = self.budget(request) + 1
-        if not self.free_query_rows or self.committed_pages + need > self.page_manager.num_pages - 1:
-            return False
-        request.query_row = self.free_query_rows.pop()
-        self.committed_pages += need
-        return True
-
-    def _release_query_row(self, request: Request):
-        if request.query_row is not None:
-            self.free_query_rows.append(request.query_row)
-            self.committed_pages -= self.budget(request) + 1
-            request.query_row = None
-
-    # -- pages -------------------------------------------------------------------------------------------
-    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
-        """Preempt the tail-most request not yet scheduled this step: recompute it, or swap it out if compressed.
-        Returns False when that was ``request`` itself."""
-        victim = next(r for r in reversed(self.running) if id(r) not in self._scheduled)
-        if victim.compressed:
-            out.swap_outs.append(SwapOut(victim, list(victim.page_ids), victim.query_row))
-            self.swap_out(victim)
-        else:
-            self.preempt(victim)
-        out.preempted.append(victim)
-        return victim is not request
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.page_manager.allocate(request, num_new):
-            if not self._preempt_for(request, out):
-                return False
-        return True
 
     def _due_for_compression(self, request: Request) -> bool:
         """All pages full, at least M+1 of them, the next token needs a new one, and the prompt's pages are done."""
@@ -287,6 +231,28 @@ class Scheduler:
         request.note_pages()
         return True
 
+    # -- query rows and pages -----------------------------------------------------------------------------
+    def _grant_query_row(self, request: Request) -> bool:
+        return self.query_rows.grant(request, self.budget(request))
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Preempt the tail-most request not yet scheduled this step: recompute it, or swap it out if compressed.
+        Returns False when that was ``request`` itself."""
+        victim = next(r for r in reversed(self.running) if id(r) not in self._scheduled)
+        if victim.compressed:
+            out.swap_outs.append(SwapOut(victim, list(victim.page_ids), victim.query_row))
+            self.swap_out(victim)
+        else:
+            self.preempt(victim)
+        out.preempted.append(victim)
+        return victim is not request
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.page_manager.allocate(request, num_new):
+            if not self._preempt_for(request, out):
+                return False
+        return True
+
     # -- admission ---------------------------------------------------------------------------------------
     def _start(self, request: Request):
         request.status = RequestStatus.RUNNING
@@ -294,72 +260,59 @@ class Scheduler:
         self.running.append(request)
 
     def _swap_in(self, out: SchedulerOutput):
-        while self.swapped and self.free_token_rows and len(self.running) < self.max_running:  # parked hold rows too
+        while self.swapped and self.free_token_rows and len(self.running) < self.max_running:
             request = self.swapped[0]
             if request.num_pending or not self._grant_query_row(request):
                 break  # its last token is still in flight, or no query row: it comes back first, later
             pages = self.page_manager.allocate_pages(request.swap_pages)
             if pages is None:
-                self._release_query_row(request)
+                self.query_rows.release(request, self.budget(request))
                 break
             self.swapped.pop(0)
             request.page_ids = pages
             request.note_pages()
             self._start(request)
-            out.swap_ins.append(request)
+            out.swap_ins.append(SwapIn(request, request.swap_state))
+            request.swap_state = None
 
-    def peak_pages_before_compression(self, request: Request) -> int:
-        """Pages the request holds at most before its first compression (or its end, if that comes first)."""
-        end = min(len(request.prompt_token_ids) + request.sampling_params.max_tokens, self.first_due(request))
-        return -(-end // self.page_manager.page_size)
-
-    def _rowless_pages(self) -> int:
-        """Pages the running requests without a query row can come to hold (or hold, if more): once one takes a
-        query row at its window, its ``M+1`` committed pages are no more than that."""
-        return sum(max(len(r.page_ids), self.peak_pages_before_compression(r))
-                   for r in self.running if r.query_row is None)
-
-    def _admit(self, out: SchedulerOutput, token_budget: int):
-        rowless = self._rowless_pages() if self.waiting and self.compression and self.reserve_pages else 0
-        while (self.waiting and token_budget > 0 and self.free_token_rows and len(self.running) < self.max_running
+    def _admit(self, step: _Step):
+        out = step.out
+        reserving = self.waiting and self.compression and self.admission.reserves_pages
+        rowless = self.admission.rowless_pages(self) if reserving else 0
+        while (self.waiting and step.token_budget > 0 and self.free_token_rows and len(self.running) < self.max_running
                and len(out.prefills) < self.max_num_prefill_seqs):
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token still in flight; it is known by the next step
-            # The window of the first compression is always computed, and so is a prompt whose logprobs are asked
-            # for (a cached page has no logits), as in vLLM.
-            if not request.page_ids:
+            if not request.page_ids:  # the window of the first compression, and prompts scored, are computed
                 limit = self.first_due(request) - self.window if self.compression else None
                 if request.sampling_params.prompt_logprobs is not None:
                     limit = 0
                 self.page_manager.match_prefix(request, limit)
-            todo = request.num_tokens - request.num_computed_tokens
-            num_new = self._prefill_size(request, todo, token_budget)
+            num_new = self._prefill_size(request, request.num_tokens - request.num_computed_tokens, step.token_budget)
             if self.compression:
-                if self.reserve_pages:  # admitted only if it can reach its first compression beside the others
-                    need = self.peak_pages_before_compression(request)
-                    if self.committed_pages + rowless + need > self.page_manager.num_pages - 1:
-                        self._release_pages(request)
-                        break
+                need = self.admission.reservation(self, request, rowless)
+                if need is None:  # it cannot reach its first compression beside the others
+                    self._release_pages(request)
+                    break
                 end = request.num_computed_tokens + num_new
-                reachable = (self.end_without_query_row(request, end) if self.hybrid_admission
-                             else request.num_computed_tokens)
+                reachable = self.admission.reachable(self, request, end)
                 if reachable < end and not self._grant_query_row(request):
                     num_new = reachable - request.num_computed_tokens
                     if num_new <= 0:
                         self._release_pages(request)
                         break
-                if request.query_row is None and self.reserve_pages:
+                if request.query_row is None:
                     rowless += need
             if not self.page_manager.allocate(request, num_new):
-                self._release_query_row(request)
+                self.query_rows.release(request, self.budget(request))
                 self._release_pages(request)
                 break
             self.waiting.popleft()
             self._start(request)
             out.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_new))
             request.num_computed_tokens += num_new
-            token_budget -= num_new
+            step.token_budget -= num_new
 
     # -- state changes -----------------------------------------------------------------------------------
     def _release_pages(self, request: Request):
@@ -371,7 +324,7 @@ class Scheduler:
         if request.token_row is not None:
             self.free_token_rows.append(request.token_row)
             request.token_row = None
-        self._release_query_row(request)
+        self.query_rows.release(request, self.budget(request))
 
     def preempt(self, request: Request):
         """Free the request's pages; it goes back to the front of the queue and is recomputed."""
@@ -385,7 +338,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def swap_out(self, request: Request):
-        """Release the compressed request's pages and slots; the caller copies their contents to the host first."""
+        """Release the compressed request's pages and rows; the worker copies their contents to the host first
+        (``dispatched`` hands them back)."""
         self.running.remove(request)
         request.swap_pages = len(request.page_ids)
         self.page_manager.free(request)
@@ -395,24 +349,11 @@ class Scheduler:
         self.num_swaps += 1
         bisect.insort(self.swapped, request, key=lambda r: r.arrival)
 
-    def park(self, request: Request):
-        """Take a running request out of scheduling: it keeps its pages, KV and rows, and is never preempted,
-        until ``resume``; admission reserves nothing more for it."""
-        self.running.remove(request)
-        self.parked.append(request)
-        request.status = RequestStatus.PARKED
-
-    def resume(self, request: Request):
-        """Schedule a parked request again, after the running ones."""
-        self.parked.remove(request)
-        self.running.append(request)
-        request.status = RequestStatus.RUNNING
-
     def finish(self, request: Request, status: RequestStatus):
+        """End the request (stopped, at its length, or aborted) wherever it is: its pages, rows and tokens still in
+        flight are let go."""
         if request in self.running:
             self.running.remove(request)
-        elif request in self.parked:
-            self.parked.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:
@@ -420,4 +361,5 @@ class Scheduler:
             request.swap_state = None
         self._release_pages(request)
         self._release_rows(request)
+        request.drop_pending()
         request.status = status

@@ -92,8 +92,7 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm or not added, unit="req")
-        programs = self.engine.runner.programs
-        start, compiled_before, generated = time.perf_counter(), programs.compile_wall_s, 0
+        start, compiled_before, generated = time.perf_counter(), self._compile_seconds(), 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step(only_finished=True):
                 if out.request_id in added and out.request_id not in finals:
@@ -101,7 +100,7 @@ class LLM:
                     generated += len(out.outputs[0].token_ids)
                     bar.update(1)
                     # compiles on first use are reported apart, so the rate is the steady generation rate
-                    compiling = programs.compile_wall_s - compiled_before
+                    compiling = self._compile_seconds() - compiled_before
                     generating = max(time.perf_counter() - start - compiling, 1e-9)
                     bar.set_postfix_str(f"{generated / generating:.1f} tok/s"
                                         + (f", compiled {compiling:.1f}s" if compiling else ""))
@@ -117,6 +116,9 @@ class LLM:
             results.append(RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt, first.prompt_token_ids,
                                          completions, True, first.metrics, first.prompt_logprobs))
         return results
+
+    def _compile_seconds(self) -> float:
+        return self.engine.stats().worker.compile_s
 
 
 def _normalize_prompts(prompts) -> list:

@@ -8,7 +8,7 @@ in the store. A bucket met later compiles on first use. Calling a ``jax.stages.C
 jitted call.
 
 ``compile_in_background`` does the same on a thread of its own, leaving one core to the engine loop, so that a
-server can answer while the programs a heavier load needs still compile (``ModelRunner.warmup(ready_early=True)``).
+server can answer while the programs a heavier load needs still compile (``ProgramCatalog.warmup(ready_early=True)``).
 """
 
 import atexit
@@ -75,13 +75,18 @@ class Programs:
         """The programs compiled so far, by key (read-only: what a benchmark or test inspects)."""
         return types.MappingProxyType(self._compiled)
 
-    def run(self, program: Program, *args):
-        """Call ``program`` on ``args`` (compiling it first if no warm-up did)."""
+    def prepare(self, program: Program) -> jax.stages.Compiled:
+        """``program`` compiled: by warm-up, or now (a step then waits on it: ``compiled_on_use``)."""
         compiled = self._compiled.get(program.key)
         if compiled is None:
             self.compile_all([program])
             compiled = self._compiled[program.key]
             self.compiled_on_use += 1
+        return compiled
+
+    def run(self, program: Program, *args):
+        """Call ``program`` on ``args`` (compiling it first if no warm-up did)."""
+        compiled = self.prepare(program)
         start = time.perf_counter()
         out = compiled(*args)
         self.call_s += time.perf_counter() - start
