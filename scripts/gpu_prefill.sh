@@ -18,7 +18,7 @@ case "${1:-kernels}" in
       --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log" | grep -v '^{' ;;
   ttft)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 570 python3 -m zipage_jax.bench ttft --model-shape qwen3-8b \
-      --prompt-len 16384 --backends mosaic mosaic_per_head --prefill-tokens 2048 16384 --trials 3 \
+      --prompt-len 16384 --backends mosaic mosaic_decode --prefill-tokens 2048 16384 --trials 3 \
       --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | grep -v '^ ' ;;
   profile)
     timeout 400 python3 -m pallas_kernels.bench --sections prefill --prefill-cases 1x2048 --reps 8 \
