@@ -29,7 +29,6 @@ import numpy as np
 
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
-from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
 from pallas_kernels.reference import gather_request_kv, masked_attention, paged_decode_ref, ragged_prefill_ref
 
 MAX_REL_ERR = 1e-2
@@ -270,7 +269,6 @@ def bench_prefill(args):
 
         impls = {name: (packed(functools.partial(ragged_prefill, **kw)), q)
                  for name, kw in prefill_variants(args.prefill_variants).items()}
-        impls["mosaic_per_head"] = (packed(ragged_prefill_per_head), q)
         for name, cc in TRITON_TARGETS.items():
             impls[name] = (packed(lambda *a, cc=cc: triton_kernel("triton_prefill", "ragged_prefill")(
                 *a, compute_capability=cc)), q)

@@ -4,8 +4,8 @@
 # The paper's regime (bench throughput --workload long-reasoning): KV budget M=8 pages of 256 = 2048 tokens, short
 # prompts with a shared system prefix, outputs log-normal with ~6.4 budgets on average up to 32k tokens, a closed
 # loop of SEQS requests in the engine (each finished one replaced by the next; SEQS = --max-num-seqs, default 384 on
-# an H200, whose pool holds 322 compressed requests (max_num_seqs 256 would cap them: scripts/concurrency_ceiling.py),
-# 192 on an 80 GB card, whose pool holds ~159),
+# an H200, whose pool holds 322 compressed requests (max_num_seqs 256 would cap them: `python -m zipage_jax.bench
+# concurrency`), 192 on an 80 GB card, whose pool holds ~159),
 # random bf16 weights of Qwen3-8B's shapes, the KV pool of the whole card (--gpu-memory-utilization 0.9), full KV
 # then compressed in one process. AGED=1 (the default) enters the loop at its steady state (--aged-start: the first
 # SEQS requests caught mid-trace, their generated part prefilled, 8192 prompt tokens a step to prefill it sooner)

@@ -12,10 +12,12 @@ random weights may drift apart after a while (the first divergence shows how soo
 import argparse
 import gc
 import json
+import pathlib
 
 import numpy as np
 
 from zipage_jax import LLM, SamplingParams
+from zipage_jax.layers.attention import resolve_backend
 
 
 def first_divergence(a: list, b: list) -> int | None:
@@ -37,6 +39,7 @@ def main():
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
     report = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                   attention_backend=args.attention_backend, results=[])
     for compression in (False, True):
@@ -46,13 +49,12 @@ def main():
                       compression=compression, kv_budget_pages=args.kv_budget_pages, page_size=args.page_size,
                       max_num_seqs=args.requests, max_model_len=args.prompt_len + args.max_tokens + 1,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, compilation_cache_dir=None)
+            backend = resolve_backend(args.attention_backend).name  # what "auto" chose, now that jax runs
             rng = np.random.default_rng(0)
-            vocab = llm.engine.model_cfg.vocab_size
             prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(args.requests)]
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             tokens[size] = [o.outputs[0].token_ids for o in outputs]
             compressions = llm.metrics()["num_compressions"]
-            backend = llm.engine.runner.backend.name
             del llm, outputs
             gc.collect()
         divergence = [first_divergence(a, b) for a, b in zip(tokens[1], tokens[args.tensor_parallel_size])]

@@ -12,7 +12,7 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
     PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init /tmp/stage1 \
         --batch 128 --lr 1e-3 --warmup 100 --steps 1880
 
-(the second stage ran as `bash scripts/gpu_train_and_eval.sh`: --train-seconds 380 chose 1880 steps at 195 ms).
+(the second stage ran on one H200 with `--train-seconds 380`, which chose 1880 steps at 195 ms).
 
 The interleaved-sums task is trained in a third stage, warm-started from the second, on batches one third
 repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_second_task.sh`), in two

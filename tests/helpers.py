@@ -1,8 +1,6 @@
 """Helpers shared by several test modules."""
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +10,6 @@ from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.models.rope import rope_cos_sin
 from zipage_jax.models.transformer import _qkv, rms_norm
 from zipage_jax.models.weights import load_hf_weights
-
-
-def load_script(name: str):
-    """A module of ``scripts/`` (not a package) by its file name, for tests of its functions."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache

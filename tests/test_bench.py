@@ -161,12 +161,16 @@ def documented_bench_commands():
 
 
 def test_documented_bench_commands_parse():
+    import importlib
+
     from zipage_jax.benchmarks import cli, sweep, ttft
 
     commands = documented_bench_commands()
     assert {argv[0] for _, argv in commands} >= {"decode", "scheduling", "throughput", "serving", "startup", "sweep",
                                                  "ttft"}
     own = {"sweep": sweep.build_parser()[0], "ttft": ttft.build_parser()}  # command lines of their own
+    own |= {name: importlib.import_module(module).build_parser() for name, (module, _) in cli.OWN_COMMAND_LINE.items()
+            if name not in own | {"compression": None}}
     for where, argv in commands:
         if argv[0] == "compression":
             continue  # its own kernel-level command line (tests/test_compression_bench.py)

@@ -8,8 +8,9 @@ snapshot holds exactly the budget, the protected window and the sinks, in increa
 
 import numpy as np
 
-from helpers import layer0_qk, load_script
+from helpers import layer0_qk
 from zipage_jax import LLM, SamplingParams
+from zipage_jax.benchmarks.eviction_diagnosis import line_inputs
 from zipage_jax.benchmarks.eviction_trace import EvictionTrace
 from zipage_jax.tasks import interleaved_sums
 from zipage_jax.tasks.tokenizer import VOCAB, encode_chat
@@ -63,10 +64,9 @@ def test_trace_positions_match_the_pool_keys_and_the_protected_slots():
 
 
 def test_diagnosis_names_the_tokens_each_line_reads():
-    """`scripts/eviction_diagnosis.py`'s inputs of a line, read back as text: the multiplicand's digits in the prompt,
+    """`bench eviction-diagnosis`'s inputs of a line, read back as text: the multiplicand's digits in the prompt,
     the line above, and after a block switch the same multiplication's previous line."""
     chars = {i: c for c, i in VOCAB.items()}
-    line_inputs = load_script("eviction_diagnosis").line_inputs
     for problem in interleaved_sums.sample_problems(4, seed=fresh_seed(), split="test"):
         ids = encode_chat(problem.question, problem.solution())
 

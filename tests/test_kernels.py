@@ -17,9 +17,9 @@ from pallas_kernels.bench import PREFILL_FORMS, prefill_lengths, prefill_variant
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import (cta_item, cta_item_count, gqa_tiling, query_tiles,
                                            ragged_prefill, tile_span, warpgroup_runs)
-from pallas_kernels.ragged_prefill_per_head import ragged_prefill as ragged_prefill_per_head
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
-from helpers import assert_close, load_script, shuffled_page_tables
+from zipage_jax.benchmarks import prefill_work
+from helpers import assert_close, shuffled_page_tables
 from seeds import fresh_seed, seeded_rng
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
@@ -194,7 +194,7 @@ def test_cta_items_deal_every_item_to_one_cta(snake):
 
 def test_snake_order_evens_one_long_prompt():
     """One 8k prompt's tiles as cut (last-first, so most blocks first), dealt in snake order: the busiest of 132
-    CTAs within 1 % of the mean, as the greedy longest-first (scripts/prefill_work_model.py), where round-robin
+    CTAs within 1 % of the mean, as the greedy longest-first (`bench prefill-work`), where round-robin
     gives the first CTAs the largest item of every round (~6 % above)."""
     lengths = prefill_lengths("1x8192")
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
@@ -213,7 +213,7 @@ def test_snake_order_evens_one_long_prompt():
         loads = np.where(dealt, blocks[np.where(dealt, items, 0)], 0).sum(1)
         return loads.max() / loads.mean()
 
-    greedy = load_script("prefill_work_model").busiest_over_mean(blocks, num_ctas, "longest-first")
+    greedy = prefill_work.busiest_over_mean(blocks, num_ctas, "longest-first")
     assert busiest_over_mean(snake=True) < min(1.01, greedy + 0.01)
     assert busiest_over_mean(snake=False) > 1.05
 
@@ -262,7 +262,6 @@ LOWERING_CASES = [
     ("prefill", 1, 64, 32, 128),
     ("prefill", 5, 128, 256, 64),
     ("prefill_before", 4, 128, 128, 128),  # the previous forms, timed against (BEFORE)
-    ("prefill_per_head", 4, 128, 128, 64),  # the previous kernel, the benchmarks' baseline
 ]
 
 
@@ -276,8 +275,7 @@ def test_kernels_lower_for_hopper(kernel, group, head_dim, page_size, block_kv):
         args = (jax.ShapeDtypeStruct((4, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(kv_lens=i32(4), page_tables=i32(4, 8))
     else:
-        kernel_fn = dict(prefill=ragged_prefill, prefill_before=functools.partial(ragged_prefill, **BEFORE),
-                         prefill_per_head=ragged_prefill_per_head)[kernel]
+        kernel_fn = dict(prefill=ragged_prefill, prefill_before=functools.partial(ragged_prefill, **BEFORE))[kernel]
         fn = functools.partial(kernel_fn, layer=1, sm_scale=0.1, block_kv=block_kv)
         args = (jax.ShapeDtypeStruct((100, 2 * group, head_dim), jnp.bfloat16), pool, pool)
         kwargs = dict(cu_q_lens=i32(3), kv_lens=i32(2), page_tables=i32(2, 8))

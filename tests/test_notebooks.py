@@ -1,5 +1,8 @@
-"""The quickstart notebook runs top to bottom on CPU with the shipped model; notebooks are stored without outputs."""
+"""The notebooks ship with their outputs: the stored outputs have the shape each cell should give (which cells print
+what, which draw a plot, no errors), and the quickstart, re-executed on CPU with the shipped model, gives the same
+shape. The GPU notebook may be stored unexecuted (it needs a GPU run); executed, it is held to its shape too."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -8,38 +11,91 @@ from waiting import HANG_S
 
 from zipage_jax.config import DEFAULT_MODEL
 
-NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+# Per code cell, in order: the strings its printed text holds (None: it prints nothing) and the plots it draws.
+SHAPES = {
+    "quickstart.ipynb": [
+        (None, 0),                                                                       # imports and parameters
+        (["What is", "expected", "tokens, correct:"], 0),                                # one problem, generated
+        (["full KV", "budget", "accuracy", "peak pages / request", "compressions / request"], 0),
+        (None, 1),                                                                       # pages held over time
+        (["budget (pages)", "compressed (zipage scoring)", "window-only eviction"], 1),  # accuracy against budget
+        (["| rkv-like |", "| window-only |", "synthetic:test:64", "synthetic:interleaved_sums:test:400",
+          "notebook ran in"], 2),                                                        # the two saved sweeps
+    ],
+    "gpu_benchmark.ipynb": [
+        (None, 0),                                                                       # the install
+        (["Cuda"], 0),                                                                   # jax.devices()
+        (["full KV", "compressed", "tok/s", "accuracy", "preemptions"], 0),              # the throughput runs
+        (None, 1),                                                                       # throughput and accuracy
+    ],
+}
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "gpu_benchmark.ipynb"])
-def test_notebooks_are_stored_without_outputs(name):
+def read(name):
     nbformat = pytest.importorskip("nbformat")
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(notebook)
-    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
+    return notebook
+
+
+def code_cells(notebook):
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def printed(cell) -> str:
+    return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream" and out.name == "stdout")
+
+
+def plots(cell) -> int:
+    return sum("image/png" in out.get("data", {}) for out in cell.outputs)
+
+
+def assert_shape(name, notebook):
+    cells = code_cells(notebook)
+    assert len(cells) == len(SHAPES[name]), name
+    for i, (cell, (strings, images)) in enumerate(zip(cells, SHAPES[name])):
+        where = f"{name}, code cell {i}"
+        assert not [out for out in cell.outputs if out.output_type == "error"], where
+        assert cell.execution_count is not None, where
+        text = printed(cell)
+        if strings is None:
+            assert not text.strip(), where
+        else:
+            missing = [s for s in strings if s not in text]
+            assert not missing, f"{where}: {missing} not printed"
+        assert plots(cell) == images, where
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_stored_outputs_have_their_shape(name):
+    notebook = read(name)
+    cells = code_cells(notebook)
+    if name == "gpu_benchmark.ipynb" and all(not c.outputs and c.execution_count is None for c in cells):
+        return  # not yet run on a GPU
+    assert_shape(name, notebook)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (Path(DEFAULT_MODEL) / "model.safetensors").is_file(), reason="shipped model absent")
-def test_quickstart_executes(tmp_path):
+def test_quickstart_executes_to_the_same_shape(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    notebook = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
-    parameters = notebook.cells[[c.cell_type for c in notebook.cells].index("code")]
+    notebook = read("quickstart.ipynb")
+    for cell in code_cells(notebook):
+        cell.outputs, cell.execution_count = [], None
+    parameters = code_cells(notebook)[0]
     # every cell, less work: two problems (the sweep's batch fits the smallest decode bucket) and half the tokens
     # (compression still runs many times per request at the budgets the notebook derives from them)
     for full, light in (("NUM_PROBLEMS = 8", "NUM_PROBLEMS = 2"), ("max_tokens=800", "max_tokens=400")):
         assert full in parameters.source
         parameters.source = parameters.source.replace(full, light)
+    # the kernel imports this checkout's zipage_jax, wherever the package is installed from
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     client = nbclient.NotebookClient(notebook, timeout=HANG_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the failing cell
-    text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                   for out in cell.outputs)
-    images = sum("image/png" in out.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
-                 for out in cell.outputs)
-    assert images == 4  # pages over time, accuracy versus budget, the two saved sweeps
-    assert "full KV" in text and "window-only eviction" in text
-    assert "| rkv-like |" in text and "| window-only |" in text  # the saved sweeps' tables
-    assert "synthetic:interleaved_sums:test:400" in text  # the second one, on both tasks
+    nbformat.validate(notebook)
+    assert_shape("quickstart.ipynb", notebook)

@@ -17,6 +17,16 @@ from zipage_jax.config import add_engine_options, engine_kwargs
 OWN_COMMAND_LINE = {
     "compression": ("zipage_jax.benchmarks.compression", "one compression of a batch of requests against a decode "
                                                          "step: the kernels, the jnp references, scratch memory"),
+    "concurrency": ("zipage_jax.benchmarks.concurrency", "what bounds compressed and full-KV concurrency on an H100 "
+                                                         "and an H200, from the engine's memory plan (no GPU)"),
+    "eviction-diagnosis": ("zipage_jax.benchmarks.eviction_diagnosis", "which evicted tokens break the interleaved-"
+                                                                       "sums task under a budget"),
+    "logprobs": ("zipage_jax.benchmarks.logprobs_cost", "device time of the per-step logprobs against a greedy "
+                                                        "step's sampling"),
+    "prefill-work": ("zipage_jax.benchmarks.prefill_work", "the ragged prefill kernel's work counted from its "
+                                                           "tiling (no GPU)"),
+    "serve-ready": ("zipage_jax.benchmarks.serve_ready", "seconds from launching the server to its first /health "
+                                                         "200, cold and warm"),
     "sweep": ("zipage_jax.benchmarks.sweep", "accuracy over a grid of KV budgets x scoring configurations"),
     "ttft": ("zipage_jax.benchmarks.ttft", "time to first token of one long prompt per attention backend (the "
                                            "prefill kernel before/after)"),

@@ -2,19 +2,17 @@
 `python -m zipage_jax.bench ttft`.
 
     python -m zipage_jax.bench ttft --model-shape qwen3-8b --prompt-len 16384 \\
-        --backends mosaic mosaic_per_head --prefill-tokens 2048 16384 --trials 3 --json ttft.json
+        --backends mosaic mosaic_decode --prefill-tokens 2048 16384 --trials 3 --json ttft.json
 
 Random weights of a real model shape. For each backend and each prefill token budget (`max_num_batched_tokens`:
 2048, the engine's default, prefills a 16k prompt in 8 chunks, each after the cached prefix of the ones before;
 16384 in one step) an engine is built, one untimed request compiles its prefill program, then `--trials`
 requests of fresh random prompts (prefix caching off) are each timed from `add` to their first token read back
-(greedy, `max_tokens=1`). Backend `mosaic_per_head` is `mosaic` with the previous prefill kernel
-(`pallas_kernels.ragged_prefill_per_head`), registered here for the before/after comparison. Prints a table
-and, per budget, each backend's TTFT against the first backend's.
+(greedy, `max_tokens=1`). Prints a table and, per budget, each backend's TTFT against the first backend's
+(`mosaic_decode` is `mosaic` with XLA's prefill attention instead of the prefill kernel).
 """
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
@@ -29,21 +27,8 @@ from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.config import EngineConfig
 from zipage_jax.core.request import Request
 from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.layers import attention
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
-
-PER_HEAD = "mosaic_per_head"
-
-
-def register_per_head_backend():
-    """``mosaic`` with the previous (per-query-head) prefill kernel, under the name ``mosaic_per_head``."""
-    if PER_HEAD not in attention.BACKENDS:
-        from pallas_kernels.ragged_prefill_per_head import ragged_prefill
-
-        attention.BACKENDS[PER_HEAD] = dataclasses.replace(attention.resolve_backend("mosaic"), name=PER_HEAD,
-                                                           prefill=ragged_prefill)
-
 
 def time_to_first_token(engine: LLMEngine, prompt: list[int], request_id: str) -> tuple[float, int, int]:
     """Seconds from ``add`` to the greedy first token read back, the token, and the engine steps it took."""
@@ -70,8 +55,6 @@ def ttft_benchmark(model_shape: str, prompt_len: int, backends: list[str], prefi
             raise ValueError(f"{name}: must be a positive int (got {value!r})")
     if not backends or not prefill_budgets:
         raise ValueError("backends, prefill_tokens: give at least one each")
-    if PER_HEAD in backends:
-        register_per_head_backend()
     model_cfg = MODEL_SHAPES[model_shape]
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model_cfg.vocab_size, size=prompt_len).tolist() for _ in range(trials + 1)]
@@ -132,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
     parser.add_argument("--prompt-len", type=int, default=16384)
-    parser.add_argument("--backends", nargs="+", default=["mosaic", PER_HEAD],
-                        help=f"attention backends, the first the baseline of the comparison ({PER_HEAD}: the "
-                             "previous prefill kernel)")
+    parser.add_argument("--backends", nargs="+", default=["mosaic", "mosaic_decode"],
+                        help="attention backends, the first the baseline of the comparison (mosaic_decode: XLA's "
+                             "prefill attention)")
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 16384],
                         help="max_num_batched_tokens budgets (a prompt longer than one is prefilled in chunks)")
     parser.add_argument("--trials", type=int, default=3)

@@ -1,12 +1,13 @@
 """What logprobs add to a step on the device: the per-row logprob, rank and top-20 every decode and prefill step
 computes (``layers.logprobs.token_logprobs``), against what a greedy step's sampling already does (logsumexp and
 argmax) and against ``jax.lax.top_k(logits, 20)`` (which XLA's GPU top-k kernel, limited to k <= 16, would sort);
-and one dispatch of the prompt-logprobs program (final norm, LM head and the same logprobs over 128 rows).
+and one dispatch of the prompt-logprobs program (final norm, LM head and the same logprobs over 128 rows):
+`python -m zipage_jax.bench logprobs`.
 
-    python scripts/logprobs_cost.py [--vocab 151936] [--hidden 4096] [--rows 1 64 256] [--json out.json]
+    python -m zipage_jax.bench logprobs [--vocab 151936] [--hidden 4096] [--rows 1 64 256] [--json out.json]
 
 Device times are the best of ``--reps`` timed loops of back-to-back calls; compare them with a decode step of the
-same batch (``python -m zipage_jax.bench decode``). Run it on the GPU (scripts/gpu_logprobs_cost.sh).
+same batch (``python -m zipage_jax.bench decode``). Meant for the GPU (``STAGE=decode bash scripts/gpu_engine.sh``).
 """
 
 import argparse
@@ -38,15 +39,20 @@ def greedy_sampling(logits):
     return jnp.argmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench logprobs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151936, help="Qwen3's vocabulary (default)")
     parser.add_argument("--hidden", type=int, default=4096, help="Qwen3-8B's hidden size (default)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--prompt-rows", type=int, default=128, help="rows of one prompt-logprobs dispatch")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     rng = np.random.default_rng(0)
     report = dict(device=str(jax.devices()[0]), vocab=args.vocab, k=MAX_LOGPROBS, rows=[])
     logprobs = jax.jit(lambda x, t: token_logprobs(x, t, MAX_LOGPROBS))
@@ -74,7 +80,4 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return report

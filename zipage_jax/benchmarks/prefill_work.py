@@ -1,6 +1,7 @@
-"""Where the ragged prefill case loses against one long prompt, from the kernel's tiling alone (no GPU).
+"""Where the ragged prefill case loses against one long prompt, from the kernel's tiling alone (no GPU):
+`python -m zipage_jax.bench prefill-work`.
 
-    PYTHONPATH=. python scripts/prefill_work_model.py [--cases 1x8192 64x128-2048] [--ctas 132]
+    python -m zipage_jax.bench prefill-work [--cases 1x8192 64x128-2048] [--ctas 132]
 
 For each `pallas_kernels.bench` prefill case (the same lengths) and Qwen3-8B's heads (32 q / 8 kv: items of
 32 tokens x 4 query heads, per `ragged_prefill.gqa_tiling`), it counts what `ragged_prefill` runs: the work items,
@@ -65,14 +66,20 @@ def busiest_over_mean(costs, num_ctas, order):
     return loads.max() / loads.mean()
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zipage_jax.bench prefill-work", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=PREFILL_CASES)
     parser.add_argument("--ctas", type=int, default=132, help="persistent CTAs (an H100 or H200 has 132 SMs)")
     parser.add_argument("--block-kv", type=int, default=128)
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    rows = []
     heads, tile_tokens = gqa_tiling(args.q_heads // args.kv_heads)
     num_slabs = args.q_heads // heads
     print(f"items of {tile_tokens} tokens x {heads} query heads, KV blocks of {args.block_kv}, {args.ctas} CTAs")
@@ -83,10 +90,11 @@ def main(argv=None):
         lengths = prefill_lengths(case)
         blocks, masked, computed, causal = items_of(lengths, tile_tokens, args.block_kv, num_slabs)
         computed_half = items_of(lengths, tile_tokens, args.block_kv, num_slabs, half_diagonal=True)[2]
+        balance = {order: float(busiest_over_mean(blocks, args.ctas, order)) for order in ORDERS}
+        rows.append(dict(case=case, items=len(blocks), blocks_per_item=float(blocks.mean()),
+                         diagonal=masked / blocks.sum(), computed_over_causal=computed / causal,
+                         half_diagonal_over_causal=computed_half / causal, busiest_over_mean=balance))
         print(f"{case:>14} {len(blocks):>7} {blocks.mean():>11.1f} {masked / blocks.sum():>8.1%} "
               f"{computed / causal:>15.3f} {computed_half / causal:>13.3f} "
-              + " ".join(f"{busiest_over_mean(blocks, args.ctas, order):>13.3f}" for order in ORDERS))
-
-
-if __name__ == "__main__":
-    main()
+              + " ".join(f"{balance[order]:>13.3f}" for order in ORDERS))
+    return rows

@@ -1,11 +1,9 @@
-"""scripts/prefill_work_model.py: the ragged prefill's work counted from the kernel's tiling, on cases small enough
-to count by hand."""
+"""`bench prefill-work`: the ragged prefill's work counted from the kernel's tiling, on cases small enough to count
+by hand."""
 
 import numpy as np
 
-from helpers import load_script
-
-model = load_script("prefill_work_model")
+from zipage_jax.benchmarks import prefill_work as model
 
 
 def test_items_blocks_and_keys_of_a_short_and_a_long_prompt():
@@ -36,3 +34,11 @@ def test_round_robin_snake_and_longest_first_loads():
     sawtooth = np.array([3, 2, 1, 3, 2, 1])
     assert model.cta_loads(sawtooth, 3, "round-robin").tolist() == [6, 4, 2]
     assert model.cta_loads(sawtooth, 3, "snake").tolist() == [4, 4, 4]
+
+
+def test_command_line_prints_a_row_per_case(capsys):
+    [row] = model.main(["--cases", "2x128"])
+    assert row["case"] == "2x128" and row["items"] == 2 * 4 * 8  # 4 tiles of 32 a prompt, 8 slabs of 4 query heads
+    assert row["computed_over_causal"] >= row["half_diagonal_over_causal"] >= 1
+    assert set(row["busiest_over_mean"]) == set(model.ORDERS)
+    assert "2x128" in capsys.readouterr().out

@@ -5,9 +5,9 @@ scratchpad line, and for that line (and the same line of the problems that got i
 (token, layer, KV head) triples of each input the line needs were still held when its first digit was computed
 (and per layer for the gap line): the
 multiplicand's digits in the prompt, the previous line of the same multiplication (after a gap at a block's
-start) and the line just above. Usage (CPU is enough for the tiny model):
+start) and the line just above: `python -m zipage_jax.bench eviction-diagnosis` (CPU is enough for the tiny model):
 
-    PYTHONPATH=. python3 scripts/eviction_diagnosis.py --model zipage_jax/assets/tiny-reasoner-two-tasks \
+    python -m zipage_jax.bench eviction-diagnosis --model zipage_jax/assets/tiny-reasoner-two-tasks \
         --problems 48 --budget 10 [--set decay=0.5 ...]
 """
 
@@ -19,9 +19,10 @@ import json
 
 import numpy as np
 
-from zipage_jax import LLM, SamplingParams
 from zipage_jax.benchmarks.eviction_trace import EvictionTrace
 from zipage_jax.benchmarks.sweep import parse_value
+from zipage_jax.engine.llm import LLM
+from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.tasks import interleaved_sums
 from zipage_jax.tasks.tokenizer import encode_chat
 
@@ -51,14 +52,19 @@ def line_inputs(problem, prompt_len: int) -> list[dict]:
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zipage_jax.bench eviction-diagnosis", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="zipage_jax/assets/tiny-reasoner-two-tasks")
     p.add_argument("--problems", type=int, default=48)
     p.add_argument("--budget", type=int, default=10, help="kv_budget_pages (pages of 16)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="engine/scoring override")
     p.add_argument("--output", default=None, help="write the per-problem rows as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
     llm = LLM(args.model, page_size=16, attention_backend="reference", compression=True,
               kv_budget_pages=args.budget, max_num_seqs=max(args.problems, 1), **overrides)
@@ -102,7 +108,4 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as f:
             json.dump(dict(args=vars(args), rows=rows), f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return dict(args=vars(args), rows=rows)

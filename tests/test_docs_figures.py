@@ -1,0 +1,237 @@
+"""The figures README.md and BENCHMARKS.md quote from a recorded report (docs/benchmarks/*.json,
+docs/accuracy_lab/**/*.json) equal the report's values as the docs print them, so text and data cannot drift
+apart: each check formats the report's value and looks for it where the docs quote it (a table row, a section).
+Besides: the README's headline table names a card on every row, and the docs name only files that exist. JSON and
+text only (no jax): milliseconds."""
+
+import json
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BENCHMARKS = (ROOT / "BENCHMARKS.md").read_text()
+
+
+def flat(text: str) -> str:
+    """Whitespace collapsed: a phrase may wrap across lines."""
+    return " ".join(text.split())
+
+
+def throughput(name: str) -> tuple[dict, dict]:
+    """A `bench throughput` report and its results by mode."""
+    report = json.loads((ROOT / "docs" / "benchmarks" / f"{name}.json").read_text())
+    return report, {r["mode"]: r for r in report["results"]}
+
+
+def section(text: str, heading: str) -> str:
+    """From the heading that starts with ``heading`` to the next heading of its level or above."""
+    lines = text.split("\n")
+    level = lambda line: len(line) - len(line.lstrip("#")) if line.startswith("#") else 99  # noqa: E731
+    start = next(i for i, line in enumerate(lines) if level(line) < 99 and line.lstrip("# ").startswith(heading))
+    end = next((i for i in range(start + 1, len(lines)) if level(lines[i]) <= level(lines[start])), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def cells(line: str) -> list[str]:
+    return [cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")]
+
+
+def row(text: str, first: str) -> list[str]:
+    """The cells of the table row whose first cell is ``first``."""
+    rows = [cells(line) for line in text.split("\n") if line.startswith("|") and cells(line)[0] == first]
+    assert rows, f"no table row {first!r}"
+    return rows[0]
+
+
+def table(text: str, header: str) -> list[list[str]]:
+    """The rows (cells) of the table whose header line starts with ``header``, the header first."""
+    lines = text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not set(line) <= set("|-: "):
+            rows.append(cells(line))
+    return rows
+
+
+def assert_quotes(text: str, *phrases: str):
+    missing = [p for p in phrases if flat(p) not in flat(text)]
+    assert not missing, f"not quoted: {missing}"
+
+
+def window(result: dict) -> str:
+    return f"{result['steady']['start_s']:.0f}–{result['steady']['end_s']:.0f}"
+
+
+def test_long_reasoning_on_the_h100():
+    report, r = throughput("long_reasoning_h100_peer")
+    full, comp = r["full"], r["compressed"]
+    fs, cs = full["steady"], comp["steady"]
+    ratio = report["ratios"]["compressed / full (steady window)"]
+    here = section(BENCHMARKS, "H100, aged start")
+    assert row(here, "full KV") == ["full KV", f"{full['startup_s']:.1f}", window(full), f"{fs['tokens_per_s']:.1f}",
+                                    f"{fs['running_mean']:.1f}", f"{fs['pages_per_running_mean']:.1f}", "",
+                                    f"{100 * fs['hbm_roofline_fraction']:.0f} %", str(full["num_preemptions"]),
+                                    str(full["compiles_after_warmup"])]
+    assert row(here, "compressed") == [
+        "compressed", f"{comp['startup_s']:.1f}", window(comp), f"{cs['tokens_per_s']:.1f}", f"{cs['running_mean']:.1f}",
+        f"{cs['pages_per_running_mean']:.1f}", f"{100 * cs['compression_time_share']:.1f} %",
+        f"{100 * cs['hbm_roofline_fraction']:.0f} %", str(comp["num_preemptions"]), str(comp["compiles_after_warmup"])]
+    assert_quotes(here, f"Compressed / full KV: {ratio:.2f}×", f"pools of {full['kv_pages']} pages full KV, "
+                  f"{comp['kv_pages']} pages and {comp['num_query_rows']} query rows compressed")
+    aged_report, aged = throughput("long_reasoning_h100_aged")
+    assert_quotes(here, f"{aged_report['ratios']['compressed / full (steady window)']:.2f}× "
+                        f"(`docs/benchmarks/long_reasoning_h100_aged.json`, "
+                        f"{aged['compressed']['steady']['tokens_per_s']:.1f} vs {aged['full']['steady']['tokens_per_s']:.1f}")
+    at_a_glance = row(section(BENCHMARKS, "At a glance"), "compressed vs full KV, the paper's long-reasoning regime")
+    assert at_a_glance[1] == f"{ratio:.2f}× ({cs['tokens_per_s']:.1f} vs {fs['tokens_per_s']:.1f} tok/s)"
+    share = section(BENCHMARKS, "7. Compression cost")
+    assert_quotes(share, f"{100 * cs['compression_time_share']:.1f} % of compressed mode's window, "
+                         f"{100 * cs['compression_time_share_at_budget']:.1f} % without")
+    headline = row(README, "compressed vs full KV, long reasoning (the paper's regime: budget 2048 tokens, outputs 13.1k "
+                           "tokens on average up to 32k, closed loop at steady state)")
+    assert headline[1:] == ["H100", f"{ratio:.2f}×: {cs['tokens_per_s']:.0f} vs {fs['tokens_per_s']:.0f} tok/s "
+                                    f"({cs['running_mean']:.0f} vs {fs['running_mean']:.0f} concurrent requests); "
+                                    f"compression {100 * cs['compression_time_share']:.1f} % of the time"]
+    assert_quotes(README, f"**{ratio:.2f}× the tokens per second of full KV at steady state on an H100** "
+                          f"({cs['tokens_per_s']:.0f} vs {fs['tokens_per_s']:.0f} tok/s, {cs['running_mean']:.0f} "
+                          f"concurrent requests against {fs['running_mean']:.0f}, in one run")
+
+
+def test_long_reasoning_on_the_h200():
+    report, r = throughput("long_reasoning_h200")
+    full, comp = r["full"], r["compressed"]
+    ratio = report["ratios"]["compressed / full (steady window)"]
+    here = section(BENCHMARKS, "H200, wave start")
+    for result, share in ((full, ""), (comp, f"{100 * comp['compression_time_share_steady']:.1f} %")):
+        steady = result["steady"]
+        label = "full KV" if result is full else "compressed"
+        assert row(here, label) == [label, f"{result['startup_s']:.1f}", window(result), f"{steady['tokens_per_s']:.1f}",
+                                    f"{steady['running_mean']:.1f}", f"{steady['pages_per_running_mean']:.1f}", share,
+                                    str(result["num_preemptions"])]
+    assert_quotes(here, f"H200, wave start: {ratio:.2f}×", f"pools of {full['kv_pages']} pages full KV, "
+                  f"{comp['kv_pages']} pages and {comp['num_query_rows']} query rows compressed")
+    assert row(README, "the same, started from an empty loop (full KV still settling)")[1:] == [
+        "H200", f"{ratio:.2f}×: {comp['steady']['tokens_per_s']:.0f} vs {full['steady']['tokens_per_s']:.0f} tok/s"]
+
+
+def test_hf_peer():
+    report, r = throughput("long_reasoning_h100_peer")
+    peer, full = report["peer"], r["full"]["steady"]["tokens_per_s"]
+    ratio = report["ratios"]["full steady window / hf peer second half"]
+    fresh = json.loads((ROOT / "docs" / "benchmarks" / "hf_peer_long_reasoning_fresh_h100.json").read_text())
+    assert peer["device"] == fresh["device"] == "NVIDIA H100 80GB HBM3"
+    here = section(BENCHMARKS, "2. HF transformers")
+    assert row(here, "HF transformers (aged requests: prompts of 9.1k tokens on average, 1.74M in all)")[2] == \
+        f"{peer['tokens_per_s_second_half']:.1f}"
+    assert row(here, "zipage_jax, full KV (the same requests)")[2] == f"{full:.1f}"
+    assert_quotes(here, f"Full KV generates {ratio:.0f}× HF's tokens per second", f"{fresh['tokens_per_s']:.1f} tok/s")
+    assert row(section(BENCHMARKS, "At a glance"), "full KV vs HF transformers on the same requests")[1] == \
+        f"{ratio:.0f}× ({full:.1f} vs {peer['tokens_per_s_second_half']:.1f} tok/s)"
+    assert row(README, "full KV vs HF transformers' continuous batching, the same long-reasoning requests")[1:] == [
+        "H100", f"{ratio:.0f}×: {full:.0f} vs {peer['tokens_per_s_second_half']:.1f} tok/s"]
+    assert_quotes(README, f"generated {peer['tokens_per_s_second_half']:.1f} tok/s")
+
+
+@pytest.mark.parametrize("name,label", [
+    ("throughput_mixed_h100", "`mixed`: short answers among reasoning outputs (mean 1074 tokens)"),
+    ("throughput_prefix_h100", "`prefix`: four shared 512-token prompts, outputs ~1 budget"),
+    ("throughput_reasoning_h200", "`reasoning`: outputs of 4.2 budgets (mean 2133 tokens)")])
+def test_workloads(name, label):
+    report, r = throughput(name)
+    full, comp = r["full"], r["compressed"]
+    card = "H100" if report["config"]["device_kind"] == "NVIDIA H100 80GB HBM3" else "H200"
+    assert card in name.upper()
+    quoted = row(section(BENCHMARKS, "3. Other workloads"), label)
+    ratios = report["ratios"]
+    assert quoted[1] == f"{card}, {report['date'][:10]}"
+    assert quoted[3:] == [f"{full['tokens_per_s']:.1f}", f"{comp['tokens_per_s']:.1f}",
+                          f"{ratios['compressed / full (steady)']:.2f}× ({ratios['compressed / full (second half)']:.2f}×)",
+                          f"{full['num_preemptions']} / {comp['num_preemptions']}"]
+
+
+def test_workload_ratios_in_the_readme():
+    mixed, prefix = (throughput(name)[0]["ratios"]["compressed / full (steady)"]
+                     for name in ("throughput_mixed_h100", "throughput_prefix_h100"))
+    assert row(README, "compressed vs full KV, short answers among reasoning outputs (`mixed`) / shared prompts "
+                       "(`prefix`)")[1:] == ["H100", f"{mixed:.2f}× / {prefix:.2f}×"]
+
+
+def test_prefill_kernel():
+    rows = json.loads((ROOT / "docs" / "benchmarks" / "prefill_levers_h100_call2.json").read_text())["rows"]
+    tflops = {(r["impl"], r["case"]): r["tflop_s"] for r in rows if r.get("ok")}
+    cases = ["1x8192", "64x128-2048", "64x1088", "16x4352"]
+    here = section(BENCHMARKS, "6. Attention kernels")
+    for impl, label in (("mosaic", "`ragged_prefill` (snake item order, half-width diagonal block: the default)"),
+                        ("cudnn_dense", "cuDNN on dense padded copies"),
+                        ("mosaic_per_head", "the previous kernel (one CTA per query head; deleted)")):
+        assert row(here, label)[1:] == [f"{tflops[impl, case]:.1f}" for case in cases]
+    one, ragged = tflops["mosaic", "1x8192"], tflops["mosaic", "64x128-2048"]
+    cudnn_one, cudnn_ragged = tflops["cudnn_dense", "1x8192"], tflops["cudnn_dense", "64x128-2048"]
+    assert_quotes(here, f"One 8k prompt runs at {100 * one / cudnn_one:.0f} % of cuDNN; 64 ragged prompts in one call "
+                        f"at {100 * ragged / one:.0f} % of that and {ragged / cudnn_ragged:.2f}× cuDNN")
+    assert row(section(BENCHMARKS, "At a glance"), "prefill kernel, one 8k causal prompt")[1] == \
+        f"{one:.1f} TFLOP/s ({100 * one / cudnn_one:.0f} % of cuDNN)"
+    assert row(README, "ragged prefill kernel, one 8k causal prompt / 64 prompts of 128–2048")[1:] == [
+        "H100", f"{one:.1f} / {ragged:.1f} TFLOP/s (cuDNN {cudnn_one:.1f} / {cudnn_ragged:.1f})"]
+
+
+@pytest.mark.parametrize("path,headers", [
+    ("docs/accuracy_lab/cpu_sweep_shipped.json", ["| configuration | M=4"]),
+    ("docs/accuracy_lab/second_task/sweep.json", ["| repeated addition", "| interleaved sums"])])
+def test_accuracy_tables(path, headers):
+    """Every cell of the ablation tables: accuracy per configuration and budget, the budgets' share of the full-KV
+    output and full KV's accuracy in the header, as `bench sweep` computes them."""
+    report = json.loads((ROOT / path).read_text())
+    for data, header in zip(report["data"], headers):
+        results = [r for r in report["results"] if r["data"] == data]
+        full = next(r for r in results if r["config"] == "full-kv")
+        rows = table(BENCHMARKS, header)
+        shares = [f"M={b} ({100 * b * report['page_size'] / full['mean_output_tokens']:.0f} %)" for b in report["budgets"]]
+        assert rows[0][1:] == shares
+        assert f"full KV {100 * full['accuracy']:.1f} %" in rows[0][0] or header == "| configuration | M=4"
+        configs = [name for name in report["configs"] if name != "full-kv"]
+        assert [r[0] for r in rows[1:]] == configs
+        for name, cells_ in zip(configs, rows[1:]):
+            by_budget = {r["budget"]: r["accuracy"] for r in results if r["config"] == name}
+            assert cells_[1:] == [f"{100 * by_budget[b]:.1f} %" for b in report["budgets"]], name
+    if "cpu_sweep" in path:
+        full = next(r for r in report["results"] if r["config"] == "full-kv")
+        assert_quotes(BENCHMARKS, f"full KV {100 * full['accuracy']:.1f} % ({report['results'][0]['num_questions']} "
+                                  f"problems, mean output {full['mean_output_tokens']:.0f} tokens)")
+
+
+def test_the_readme_headline_table_names_a_card_on_every_row():
+    rows = table(section(README, "Benchmarks"), "| claim | card | result |")
+    assert rows[0] == ["claim", "card", "result"] and len(rows) > 10
+    assert {r[1] for r in rows[1:]} <= {"H100", "H200", "CPU", "CPU (2 cores)"}
+    assert len(re.findall(r"^## ", section(README, "Benchmarks"), re.M)) == 1 and "|---|---|---|" in README
+    assert README.count("| claim | card | result |") == 1  # one headline table
+
+
+def test_docs_name_only_files_that_exist():
+    """Every script, report and plot README.md, BENCHMARKS.md, the lab notes, the notebooks and the GPU stages name
+    exists, but for scripts named with the commit they can be read at (`git show REV:scripts/NAME`)."""
+    texts = [README, BENCHMARKS, *(p.read_text() for p in sorted((ROOT / "docs" / "lab-notes").glob("*.md"))),
+             *(p.read_text() for p in sorted((ROOT / "notebooks").glob("*.ipynb"))),
+             *(p.read_text() for p in sorted((ROOT / "scripts").glob("*.sh")))]
+    for text in texts:
+        gone = set(re.findall(r"git show \w+\^?:(scripts/[\w.-]+)", text))
+        for name in set(re.findall(r"scripts/[\w-]+\.(?:py|sh)", text)) - gone:
+            assert (ROOT / name).is_file() or "scripts/NAME" in text, name
+        for name in set(re.findall(r"docs/[\w/.-]+\.(?:json|png|md|log)", text)):
+            assert (ROOT / name).is_file(), name
+        for stem, exts in re.findall(r"(docs/[\w/.-]+)\.\{([\w,]+)\}", text):
+            for ext in exts.split(","):
+                assert (ROOT / f"{stem}.{ext}").is_file(), f"{stem}.{ext}"
+
+
+def test_size_budgets():
+    """BENCHMARKS.md stays a page a user reads in minutes; scripts/ holds what users and the GPU stages run."""
+    assert len(BENCHMARKS.split("\n")) <= 600
+    assert len([p for p in (ROOT / "scripts").iterdir() if p.is_file()]) <= 14
