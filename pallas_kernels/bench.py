@@ -233,7 +233,7 @@ def prefill_variants(specs) -> dict:
 
 def bench_prefill(args):
     """Causal prefill of whole prompts packed into one call, for each ``--prefill-cases`` spec (no cached prefix):
-    the FlashAttention-3-structured kernel (and its variants), the previous per-query-head kernel, Triton, cuDNN
+    the FlashAttention-3-structured kernel (and its variants), Triton, cuDNN
     over dense padded copies (told each prompt's length) and, for one prompt, the XLA reference."""
     num_q_heads, num_kv_heads, head_dim, layer = args.q_heads, args.kv_heads, args.head_dim, 1
     scale, page_size = head_dim ** -0.5, args.prefill_page

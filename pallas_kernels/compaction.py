@@ -15,9 +15,9 @@ CTAs with half the walk each. Hopper TMA has no row gather, so a block's sources
 consecutive source rows (its pool rows precomputed from the kept index and the page table; the indices of
 ``row_group`` rows are read before their copies are issued, so the reads overlap) into plain SMEM, all on one
 barrier. A TMA box has a static shape, so runs are found by halving: an aligned span of ``max_run`` kept rows that
-is one run inside one source page goes as one copy, else each half is tried the same way, down to single rows. With
-11 % of slots evicted at random that issues about a third of the copies of row by row, which is bound by copy issue
-(BENCHMARKS.md, "Compression step"). Every span makes up its skipped copies' barrier arrivals; the block then leaves
+is one run inside one source page goes as one copy, else each half is tried the same way, down to single rows: with
+the few slots a compression evicts, a fraction of the copies of row by row, which is bound by copy issue
+(BENCHMARKS.md, compression cost). Every span makes up its skipped copies' barrier arrivals; the block then leaves
 as one TMA store (a block lies inside one destination page). ``stages`` staging buffers: the next ``stages - 1``
 blocks' gathers are in flight while the current block is stored.
 
@@ -48,12 +48,12 @@ SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA dynamic shared memory
 
 def default_block_rows(page_size):
     """16-row blocks (the page size if smaller), four in flight: 32 KiB of staging at D = 128 bf16, the fastest
-    of the shapes measured (BENCHMARKS.md, "Compression step")."""
+    of the shapes measured (BENCHMARKS.md, compression cost)."""
     return min(page_size, 16)
 
 
 DEFAULT_MAX_RUN = 4  # longest run moved by one TMA copy (1: row by row); longer runs measured no faster
-DEFAULT_STAGES = 4  # blocks whose gathers are in flight; more measured no faster (BENCHMARKS.md, "Compression step")
+DEFAULT_STAGES = 4  # blocks whose gathers are in flight; more measured no faster (BENCHMARKS.md, compression cost)
 
 
 def smem_bytes(block_rows, head_dim, itemsize=2, stages=DEFAULT_STAGES):

@@ -8,8 +8,7 @@ straight from the pool pages named in the page table, ``num_stages`` blocks in f
 several small pages is filled by one copy per page; pages past the request's live slots are never read (the
 last live page is loaded again in their place, and masked). Each split writes its normalised partial output
 and log-sum-exp; a small XLA reduce merges the splits (flash-decoding). ``attend_pages`` is the paged flash
-loop, shared with the previous prefill kernel (``ragged_prefill_per_head``). Defaults (64-slot blocks, 2 stages)
-were the fastest of the variants measured on an H200.
+loop. Defaults (64-slot blocks, 2 stages): the fastest of the variants the kernel bench times (BENCHMARKS.md).
 """
 
 import functools

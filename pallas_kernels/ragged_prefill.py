@@ -25,11 +25,11 @@ they write zeros.
 Item order: the tiles, listed as cut (each request's last-first, its slabs side by side), are dealt in snake
 order: round ``k`` gives items ``[k num_ctas, (k + 1) num_ctas)`` to CTAs ``0, 1, ...`` when ``k`` is even and
 ``..., 1, 0`` when odd, so the CTA that got a round's largest item of a long prompt gets the next round's
-smallest. On one 8k prompt the busiest CTA's blocks end within 0.2 % of the mean, against 6 % above for
-round-robin (scripts/prefill_work_model.py), ~5 % faster on an H100; round-robin stays as
-``item_order="round_robin"`` (uniform batches of mid-length prompts measured it 3-5 % faster). Sorting the tiles
-of all requests by their blocks balances further but scatters each request's KV over the whole run: measured
-7-12 % slower on batches of prompts (L2 reuse lost), so the order keeps a request's tiles together.
+smallest: on one long prompt the busiest CTA ends near the mean, where round-robin leaves one well above it
+(``python -m zipage_jax.bench prefill-work``; BENCHMARKS.md, prefill). Round-robin stays as
+``item_order="round_robin"``: uniform batches of mid-length prompts favour it. Sorting the tiles of all requests by
+their blocks balances further but scatters each request's KV over the whole run (L2 reuse lost), so the order keeps
+a request's tiles together.
 """
 
 import functools

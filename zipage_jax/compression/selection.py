@@ -27,7 +27,7 @@ def select_slots(scores, keep: int, threshold=sorted_threshold):
     by index on CPU). ``threshold(key, keep)`` (``sorted_threshold``, or a backend's
     ``selection_threshold`` kernel) finds each row's ``keep``-th best (key, slot); the kept slots are those
     ranked no worse, packed in slot order by a prefix sum and a scatter: cheaper than sorting the keys and then
-    the kept indices (BENCHMARKS.md, "one-sort selection").
+    the kept indices (docs/lab-notes/compression.md, one-sort selection).
     """
     num_slots = scores.shape[-1]
     if not 0 < keep <= num_slots:

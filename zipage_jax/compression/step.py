@@ -109,8 +109,8 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
 
-    A device loop over the layers: the layers one after another in the program measured 8-9 % slower on an H100
-    (``bench compression``, 4 and 16 rows), so a dispatch's fixed cost is not the loop's.
+    A device loop over the layers: unrolling them in the program was slower (``bench compression``), so a
+    dispatch's fixed cost is not the loop's.
     """
     _check(k_pool, score_cache, query_cache, batch, cfg)
     keep = batch.dst_tables.shape[1] * k_pool.shape[3]

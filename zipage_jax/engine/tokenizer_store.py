@@ -1,12 +1,12 @@
 """The engine's tokenizer without importing transformers in the engine's process.
 
-transformers imports torch wherever torch is installed: 8.8 s of a 14 s warm start on an H100 host, for a tokenizer
-the engine only encodes prompts and decodes tokens with. What transformers builds from a checkpoint's files is a
+transformers imports torch wherever torch is installed, most of a warm start's seconds (BENCHMARKS.md, start-up),
+for a tokenizer the engine only encodes prompts and decodes tokens with. What transformers builds from a checkpoint's files is a
 Rust ``tokenizers`` pipeline (transformers 5 may rebuild it from the model's tokenizer class, so the
 ``tokenizer.json`` alone is not it). That pipeline is stored, serialized, with the end-of-sequence id, keyed by the
 tokenizer's files and the transformers and tokenizers versions, and later starts load it straight from the Rust
 library; where none is stored yet a child process builds it while the engine starts (a thread would share the
-GIL with the start, which slowed it on an H100 host). An entry that fails to load is rebuilt. Tokenizers whose
+GIL with the start, and slow it). An entry that fails to load is rebuilt. Tokenizers whose
 decode transformers post-processes in Python (``clean_up_tokenization_spaces``) or without a Rust pipeline are not
 stored: they load through transformers every time.
 """
@@ -85,8 +85,8 @@ def start_engine_tokenizer(path: str, cache_dir: str | None):
     """Start loading the engine's tokenizer; returns a function that gives it, waiting for what is left.
 
     A stored pipeline loads at once. Otherwise transformers builds and stores it in a child process: its import is
-    seconds of Python, torch's too where installed, that would hold this process's GIL while the engine starts (a
-    thread here made an H100 start slower). The function then waits for the child and reads the stored pipeline,
+    seconds of Python, torch's too where installed, that would hold this process's GIL while the engine starts. The
+    function then waits for the child and reads the stored pipeline,
     or, for a tokenizer that cannot be stored (or a child that failed), loads transformers' tokenizer here, raising
     what it raises. Without ``cache_dir`` nothing is kept: transformers' tokenizer loads here at the first call."""
     if cache_dir is None:

@@ -62,9 +62,7 @@ def compaction_by_rows(kernel: Callable) -> Callable:
     and larger ones the in-place ``kernel``. The kernel walks each (row, KV head) pool in one CTA, serially (the
     order is what makes it safe in place), so a layer costs one walk whatever the rows, and a few rows leave most
     SMs idle; XLA gathers every kept slot at once into a scratch of the kept K/V (``2*B*Hkv*M*S*D*it``), small at
-    these rows. H100, Qwen3-8B shapes, budget 8 x 256, one layer (``bench compression``): kernel 0.185 / 0.194 /
-    0.223 ms at 1 / 4 / 16 rows, XLA 0.058 / 0.077 / 0.270; the whole step at 1 and 4 rows 7.69 -> 3.77 and
-    8.47 -> 5.53 ms."""
+    these rows and faster there (``bench compression``; BENCHMARKS.md, compression cost)."""
 
     def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid):
         small = kept.shape[0] <= XLA_COMPACTION_MAX_ROWS

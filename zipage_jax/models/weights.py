@@ -2,7 +2,7 @@
 save/restore of converted Params, random init; each read off the weight declarations (``params.WEIGHTS``).
 
 The engine reads safetensors at every start (``load_sharded``): restoring an orbax checkpoint of the converted
-Params was measured slower (BENCHMARKS.md, Weight loading), so there is no weights cache.
+Params was slower (docs/lab-notes/startup.md), so there is no weights cache.
 
 ``load_hf_weights`` streams one stacked field at a time (host buffer -> device -> released) so peak host memory
 is one field, never two copies of the model. ``load_sharded`` sends each device only the slices it keeps.
@@ -194,8 +194,8 @@ def load_sharded(path, cfg: ModelConfig, dtype, mesh) -> ServingParams:
     # Every leaf is read (memory-mapped), assembled (fused columns) and copied to its devices on a thread pool:
     # reading one leaf overlaps the host->device copies of others (numpy and the copies release the GIL).
     # The embedding and the LM head go first: the engine allocates its KV pool before loading, and their
-    # transposes (with XLA autotuning each new shape: several outputs of ~1.2 GB at Qwen3-8B's vocabulary) need
-    # the room that the layers' weights take later (loaded last, an H100 at its default plan ran out of memory).
+    # transposes (XLA autotunes each new shape, with outputs the size of the table) need the room that the
+    # layers' weights take later.
     jobs = {}
     for name in (n for n in WEIGHTS if not n.startswith("layers.")):
         target = getattr(abstract, name)

@@ -199,9 +199,8 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
 
     Committed to their sharding, like the step outputs that replace them, so the first step does not compile
     an executable of its own. The zeros are a fill of a runtime operand, each pool its own execution: a program
-    whose output is a constant handed back pools that the allocator never held (on an 80 GB H100, 25.7 of
-    51.4 GiB), and the first step, donating them, had to allocate the missing pool after warm-up had fragmented
-    the free memory (the full-KV engine failed its first step).
+    whose output is a constant can hand back pools that the allocator never held, and the first step, donating
+    them, then allocates the missing pool after warm-up has fragmented the free memory, and can fail.
     """
     pool_sharding = pool_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shape = (model_cfg.num_layers, num_pages, model_cfg.num_kv_heads, page_size, model_cfg.head_dim)
