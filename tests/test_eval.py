@@ -11,7 +11,8 @@ from waiting import HANG_S
 from zipage_jax.entrypoints import answers
 from zipage_jax.entrypoints.answers import extract_boxed, is_correct, math_verify_match, reference_answer
 from zipage_jax.config import option_fields
-from zipage_jax.entrypoints.eval import build_parser, format_prompt, load_items, main, parse_jsonl, synthetic_items
+from zipage_jax.entrypoints.eval import (build_parser, format_prompt, load_items, main, parse_jsonl, synthetic_items,
+                                         warmup_phrase)
 from zipage_jax.tasks import TASKS, sample_problems
 
 MODEL = "tests/fixtures/hf/qwen3"  # random weights, character tokenizer, no chat template
@@ -240,7 +241,14 @@ def test_cli_on_the_synthetic_split_with_compression(tmp_path, capsys):
     assert "compressed (zipage, budget 2 pages of 16)" in printed
     # warm-up is on by default and reported apart from the generation throughput
     assert report["warmup"]["programs"] > 0 and report["warmup"]["compile_s"] > 0
-    assert f"after compiling {report['warmup']['programs']} programs" in printed
+    assert warmup_phrase(report["warmup"]) in printed
+
+
+def test_the_summary_says_whether_warmup_compiled_or_loaded_its_programs():
+    assert warmup_phrase(dict(programs=18, loaded=0, compile_s=21.04)) == "after compiling 18 programs in 21.0s"
+    assert warmup_phrase(dict(programs=18, loaded=18, compile_s=1.9)) == "after loading 18 programs in 1.9s"
+    assert warmup_phrase(dict(programs=18, loaded=3, compile_s=5.0)) == \
+        "after compiling 15 and loading 3 programs in 5.0s"
 
 
 def test_one_description_per_engine_field_serves_both_helps_and_the_readme():

@@ -167,13 +167,21 @@ def evaluate(llm, items: list[dict], samples: int = 1, seed: int = 0, system_pro
     }
 
 
+def warmup_phrase(warmup: dict) -> str:
+    """What the warm-up did, in words: the programs it compiled and those the executable store held (loaded)."""
+    loaded = warmup.get("loaded", 0)
+    built = warmup["programs"] - loaded
+    parts = [f"compiling {built}"] * bool(built) + [f"loading {loaded}"] * bool(loaded)
+    return f"after {' and '.join(parts) or 'compiling 0'} programs in {warmup['compile_s']:.1f}s"
+
+
 def summary(report: dict) -> str:
     pages, comp = report["peak_pages_per_request"], report["compressions_per_request"]
     cfg = report["engine_config"]
     mode = (f"compressed ({cfg['eviction_policy']}, budget {cfg['kv_budget_pages']} pages of {cfg['page_size']})"
             if cfg["compression"] else f"full KV (pages of {cfg['page_size']})")
     warmup = report.get("warmup")
-    compiled = f" (after compiling {warmup['programs']} programs in {warmup['compile_s']:.1f}s)" if warmup else ""
+    compiled = f" ({warmup_phrase(warmup)})" if warmup else ""
     return (f"{mode}: accuracy {report['accuracy']:.4f} over {report['num_questions']} questions x "
             f"{report['samples']} samples | mean output {report['mean_output_tokens']:.1f} tokens | "
             f"{report['generated_tokens_per_s']:.1f} generated tok/s{compiled} | peak pages/request mean "
