@@ -289,12 +289,13 @@ def bench(engine, worker):
 
 def test_nothing_reaches_into_the_engines_device_side():
     """The step loop alone talks to the worker: elsewhere in the package no ``engine.worker`` (or the old
-    ``engine.runner``) chain; benchmarks that need the device side build their worker and hold it."""
+    ``engine.runner``) chain, but in the benchmarks' probes (``DecodeReplay.of``); a benchmark that needs more of
+    the device side builds its worker and holds it."""
     import re
 
     reach = re.compile(r"\bengine\.(worker|runner)\b")
-    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
-             if path.name != "llm_engine.py"
+    allowed = {PACKAGE / "engine" / "llm_engine.py", PACKAGE / "benchmarks" / "probes.py"}
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted(PACKAGE.rglob("*.py")) if path not in allowed
              for i, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
     assert not found, found
 

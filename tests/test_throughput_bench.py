@@ -4,6 +4,7 @@ report format, the named workloads' shapes, and the long-reasoning closed loop a
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -134,7 +135,7 @@ def test_admission_modes_run_compressed_under_that_admission_and_are_compared(mo
     built, calls = [], []
 
     class Engine:  # records the config each mode builds; run_mode is stubbed below
-        def __init__(self, config, params=None):
+        def __init__(self, config, params=None, **kwargs):
             built.append(config)
 
     def run_mode(mode, make_engine, *args, **kwargs):
@@ -300,5 +301,72 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         assert 0 <= w["compression_time_share_at_budget"] <= w["compression_time_share"]
         wide = [d for d in r["compression_dispatches"] if d["width"] > d["budget"] + 1]
         assert (history[-1]["wide_compression_seconds"] > 0) == bool(wide)
-        assert r["complete"] and r["generated_tokens"] == report["workload"]["output_tokens_total"]
+        # as many aged requests as the mode holds at once; the others of the aged start run fresh (full length)
+        assert 1 <= r["aged_residents"] <= 3 and (r["aged_residents"] == 3 or r["mode"] == "full")
+        assert r["complete"] and r["generated_tokens"] == r["workload_output_tokens"]
+        # the yardstick: the engine's own decode step at the window's mean shape, after the window
+        cap = w["decode_capacity"]
+        assert cap["rows"] == round(w["running_mean"]) and 1 <= cap["ctx"] <= round(cap["kv_tokens"])
+        assert cap["tokens_per_s"] > 0 and w["capacity_efficiency"] == w["tokens_per_s"] / cap["tokens_per_s"]
+        split = w["time_split"]
+        in_steps = sum(k["seconds"] for k in split["kinds"].values())
+        assert split["wall_s"] == pytest.approx(w["end_s"] - w["start_s"])
+        assert in_steps + split["outside_steps_s"] == pytest.approx(split["wall_s"]) or in_steps > split["wall_s"]
+        assert r["workload_output_tokens"] >= report["workload"]["output_tokens_total"]
     assert "after the initial prefill" in throughput_report.format_report(report)
+
+
+def test_an_aged_start_keeps_as_many_aged_requests_as_a_mode_holds():
+    """``with_residents``: the first k aged requests stay mid-trace, the other aged ones become fresh again (their
+    original prompt and length), the rest untouched; ``resident_capacity``: compression holds its planned steady
+    state, full KV as many contexts (in order) as its pool's pages fit."""
+    base = workloads.make_workload("long-reasoning", 40, 64, 16, 1000, 512, seed=0)
+    aged = workloads.aged_start(base, 6, 1000, seed=0)
+    two = aged.with_residents(2)
+    assert two.prompts[:2] == aged.prompts[:2] and two.max_tokens[:2] == aged.max_tokens[:2]
+    assert list(zip(two.prompts[2:6], two.max_tokens[2:6])) == aged.fresh[2:6]
+    assert two.prompts[6:] == aged.prompts[6:] and two.fresh is None and "2 of them resident" in two.description
+    assert aged.with_residents(6) is aged and base.with_residents(1) is base
+    for (prompt, out), p, o in zip(aged.fresh, aged.prompts, aged.max_tokens):  # ageing keeps each length
+        assert len(prompt) + out == len(p) + o and p[:len(prompt)] == prompt
+
+    def engine(compression, num_pages, max_num_seqs=64):
+        plan = SimpleNamespace(num_pages=num_pages, max_compressed_concurrency=5)
+        config = SimpleNamespace(compression=compression, page_size=16, max_num_seqs=max_num_seqs)
+        return SimpleNamespace(memory_plan=plan, config=config)
+
+    assert closed_loop.resident_capacity(engine(True, 1000), aged) == 5
+    pages = [len(p) // 16 + 1 for p in aged.prompts[:6]]
+    assert closed_loop.resident_capacity(engine(False, 1 + sum(pages[:3])), aged) == 3
+    assert closed_loop.resident_capacity(engine(False, 10_000), aged) == 6
+    assert closed_loop.resident_capacity(engine(False, 10_000, max_num_seqs=4), aged) == 4
+
+
+def test_steadiness_and_the_time_split_of_a_window():
+    """Drift is the least-squares slope per minute relative to the mean; the rate's CV is over the second half of
+    the window's per-sample rates; the split sorts every step of the window by kind and keeps the rest apart."""
+    from zipage_jax.benchmarks.steady_state import StepTime, steadiness, time_split
+
+    samples = [dict(time_s=float(t), num_running=100 + t, pages_per_running_mean=9.0,
+                    generated=[0, 100, 200, 300, 400, 440, 540][t]) for t in range(7)]
+    st = steadiness(samples)
+    assert st["running_drift_per_min"] == pytest.approx(60 / 103)  # +1 a second around a mean of 103
+    assert st["pages_per_running_drift_per_min"] == pytest.approx(0.0)
+    second = [100.0, 40.0, 100.0]  # the last three of the six per-second rates
+    assert st["second_half_rate_cv"] == pytest.approx(np.std(second) / np.mean(second))
+    assert steadiness(samples[:2])["running_drift_per_min"] is None
+
+    steps = [StepTime(0.5, 0.5, 0.1, 0, 64, 0, 0),  # before the window
+             StepTime(1.2, 0.2, 0.15, 8, 0, 1, 0), StepTime(1.5, 0.3, 0.1, 8, 0, 0, 2),
+             StepTime(2.1, 0.5, 0.2, 6, 100, 2, 0), StepTime(2.4, 0.1, 0.0, 0, 0, 0, 1),
+             StepTime(3.5, 1.0, 0.5, 8, 0, 0, 0)]  # after it
+    split = time_split(steps, 1.0, 3.0)
+    assert split["steps"] == 4 and split["wall_s"] == 2.0
+    assert split["outside_steps_s"] == pytest.approx(2.0 - 1.1)
+    decode, mixed, other = (split["kinds"][k] for k in ("decode", "mixed", "other"))
+    assert "prefill" not in split["kinds"]
+    assert decode["steps"] == 2 and decode["ms_per_step"] == pytest.approx(250.0)
+    assert decode["blocked_ms_per_step"] == pytest.approx(125.0) and decode["compression_steps"] == 1
+    assert mixed["prefill_tokens_mean"] == 100 and other["share"] == pytest.approx(0.05)
+    assert split["per_decode_step_ms"] == pytest.approx(2000 / 3)
+    assert split["stalled_request_steps"] == 3 and split["stalled_per_decode_step"] == pytest.approx(1.0)

@@ -6,11 +6,13 @@ import time
 
 import numpy as np
 
+from zipage_jax.benchmarks.steady_state import StepTime, prefill_over_s, steadiness, steady_window, time_split
 from zipage_jax.benchmarks.throughput_report import format_row
 from zipage_jax.benchmarks.workloads import Workload
 from zipage_jax.sampling_params import SamplingParams
 
 MODES = ("full", "compressed", "compressed-hybrid", "compressed-constrained")  # compressed: reserved admission
+CAPACITY_RESERVE_S = 60  # of a mode's deadline, kept for its decode-capacity probe after the loop
 
 
 def param_bytes(model_cfg, dtype) -> tuple[int, int]:
@@ -22,41 +24,49 @@ def param_bytes(model_cfg, dtype) -> tuple[int, int]:
     return total, total if model_cfg.tie_word_embeddings else total - embed
 
 
-def steady_window(samples, skip_tokens: int, end_s: float | None = None,
-                  start_s: float | None = None) -> dict | None:
-    """The steady part of a run, from its samples ``[(time_s, generated tokens)]`` in time order: from the first
-    sample with at least ``skip_tokens`` generated (past the admission ramp and, with one KV budget per concurrent
-    request, the first wave's first compressions), or the first at or after ``start_s`` when given, to the last
-    sample at or before ``end_s`` (when the closed loop stopped adding: the tail, where requests drain, is left
-    out; None: the last sample). Returns ``dict(start_s, end_s, tokens, tokens_per_s)``, or None when the window
-    holds no time."""
-    start = next((i for i, (t, generated) in enumerate(samples)
-                  if (t >= start_s if start_s is not None else generated >= skip_tokens)), None)
-    end = max((i for i, (t, _) in enumerate(samples) if end_s is None or t <= end_s), default=None)
-    if start is None or end is None or samples[end][0] <= samples[start][0]:
-        return None
-    (t0, g0), (t1, g1) = samples[start], samples[end]
-    return dict(start_s=t0, end_s=t1, tokens=g1 - g0, tokens_per_s=(g1 - g0) / (t1 - t0))
+def resident_capacity(engine, workload: Workload) -> int:
+    """How many of an aged start's requests the engine holds at once: with compression, the steady-state holders
+    the memory plan allows; with full KV, as many (in order) as their contexts' pages fit in the pool."""
+    count = len(workload.fresh or [])
+    plan = engine.memory_plan
+    if engine.config.compression:
+        return min(count, plan.max_compressed_concurrency)
+    pages, size, held = plan.num_pages - 1, engine.config.page_size, 0
+    for i, prompt in enumerate(workload.prompts[:min(count, engine.config.max_num_seqs)]):
+        held += len(prompt) // size + 1
+        if held > pages:
+            return i
+    return min(count, engine.config.max_num_seqs)
 
 
-def prefill_over_s(samples, end_s: float | None = None, share: float = 0.8) -> float | None:
-    """When an aged start's initial prefill is over, from the samples (``num_prefilling``, ``num_running``): the
-    first sample, after one with a request mid-prefill, at which none is and the engine runs at least ``share`` of
-    its typical concurrency (the median running count over the second half of the samples up to ``end_s``). A
-    pause in the prefill while admission waits for pages (compressed mode prefills the long contexts a few at a
-    time, each compressed before the next fits) is not the end of the ramp. None: it never ended."""
-    loop = [h for h in samples if end_s is None or h["time_s"] <= end_s]
-    busy = next((i for i, h in enumerate(loop) if h["num_prefilling"]), None)
-    if busy is None:
-        return None
-    typical = float(np.median([h["num_running"] for h in loop[len(loop) // 2:]]))
-    return next((h["time_s"] for h in loop[busy:]
-                 if h["num_prefilling"] == 0 and h["num_running"] >= share * typical), None)
+def decode_capacity(engine, rows: int, kv_tokens: float, steps: int, seed: int = 0) -> dict:
+    """The engine's own decode step at ``rows`` rows of ``kv_tokens`` each (a window's mean shape), through the
+    step loop and alone (``decode_steps``), after everything in flight is aborted. A compressed engine's probe stays
+    short of its first compression (its prompts are capped there: ``ctx`` says what was measured)."""
+    from zipage_jax.benchmarks.decode_steps import time_decode_steps
+    from zipage_jax.benchmarks.probes import DecodeReplay
+
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step(only_finished=True)
+    config, warmup_steps = engine.config, 3
+    ctx = max(1, round(kv_tokens))
+    if config.compression:
+        ctx = min(ctx, (config.kv_budget_pages + 1) * config.page_size - config.scoring.window - warmup_steps - steps - 2)
+    ctx = min(ctx, engine.max_model_len - warmup_steps - steps - 2)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, engine.model_cfg.vocab_size, size=ctx).tolist() for _ in range(rows)]
+    timing, _ = time_decode_steps(engine, DecodeReplay.of(engine), prompts, steps, warmup_steps, tag="capacity")
+    return dict(rows=rows, kv_tokens=kv_tokens, ctx=ctx, engine_step_ms=timing.engine_step_s * 1e3,
+                device_step_ms=timing.device_step_s * 1e3, tokens_per_s=timing.tokens_per_s,
+                device_tokens_per_s=timing.device_tokens_per_s)
 
 
 def run_mode(mode: str, make_engine, workload: Workload, duration: float | None, warmup: bool = True,
              sample_interval_s: float = 1.0, progress=print, concurrency: int | None = None,
-             deadline: float | None = None, budget_tokens: int = 0, aged: bool = False) -> dict:
+             deadline: float | None = None, budget_tokens: int = 0, aged: bool = False,
+             capacity_steps: int = 0) -> dict:
     """One fresh engine, start-up timed apart, then the workload through ``add_request`` / ``step``.
 
     ``concurrency`` None: every request is added at once. Otherwise a closed loop: ``concurrency`` requests are
@@ -66,8 +76,10 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     (``steady_window``) of a closed loop starts once the engine has generated one KV budget (``budget_tokens``) per
     concurrent request or, if less, a pool's worth of tokens (full KV: its pool has filled once; compressed: every
     resident request is past its first compression), and ends where the loop stopped adding. ``aged``: the
-    workload starts mid-trace (``aged_start``); the window then starts when the initial prefill of the long
-    contexts is over (``prefill_over_s``)."""
+    workload starts mid-trace (``aged_start``), with as many aged requests as this engine holds at once
+    (``resident_capacity``; the others fresh); the window then starts when their prefill is over
+    (``prefill_over_s``). ``capacity_steps``: then measure the decode step at the window's mean rows and context
+    (``decode_capacity``), that many steps, within the deadline."""
     import jax
 
     from zipage_jax.benchmarks.model_shapes import hbm_peak_bytes_per_s
@@ -90,6 +102,10 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     scheduler, bm = engine.scheduler, engine.page_manager
     pages = bm.num_pages - 1
     skip_tokens = min((concurrency or 0) * budget_tokens, pages * engine.config.page_size)
+    residents = None
+    if aged:
+        residents = resident_capacity(engine, workload)
+        workload = workload.with_residents(residents)
 
     requests = []
     queue = list(zip(workload.prompts, workload.max_tokens))[::-1]
@@ -101,7 +117,16 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         requests.append(engine.requests[request_id])
 
     start = time.perf_counter()
-    stop = min(start + duration if duration is not None else math.inf, deadline or math.inf)
+    reserve = CAPACITY_RESERVE_S if capacity_steps and concurrency else 0.0
+    stop = min(start + duration if duration is not None else math.inf, (deadline or math.inf) - reserve)
+    step_times = []
+
+    def note_step(record):
+        s = record.scheduled
+        step_times.append(StepTime(time.perf_counter() - start, record.step_s, record.read_back_s, len(s.decodes),
+                                   sum(c.num_tokens for c in s.prefills), len(s.stalled), len(s.compressions)))
+
+    engine.add_step_observer(note_step)
     for _ in range(min(concurrency or len(queue), len(queue))):
         add_next()
     loop_end_s = None if queue else 0.0  # when the closed loop stopped adding (the workload ran out)
@@ -113,6 +138,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     stalled, decode_steps, bytes_read = 0, 0, 0.0
     last_sample = -math.inf
     finished = 0
+
     def compressing() -> dict:
         worker = engine.stats().worker
         return dict(compression_seconds=worker.compression_s or 0.0,
@@ -147,11 +173,14 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                 num_swapped=len(scheduler.swapped), num_stalled=scheduler.num_stalled, kv_pages_used=bm.num_used_pages,
                 page_occupancy=bm.num_used_pages / pages, query_rows_used=scheduler.query_rows.num_used,
                 pages_per_running_mean=float(np.mean(held)) if held else 0.0,
+                kv_tokens_per_running_mean=float(np.mean([r.num_physical_tokens for r in scheduler.running]))
+                if scheduler.running else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
                 num_swaps=scheduler.num_swaps, **compressing(), num_prefilling=prefilling, bytes_read=bytes_read))
         if time.perf_counter() >= stop:
             break
     engine.drain(only_finished=True)  # the steps in flight when generation stopped
+    engine.remove_step_observer(note_step)
     wall = time.perf_counter() - start
     tokens = generated()
     samples.append(dict(samples[-1] if samples else {}, time_s=wall, generated=tokens, bytes_read=bytes_read,
@@ -176,20 +205,28 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                       - per_s("wide_compression_seconds"),
                       running_mean=float(np.mean([h["num_running"] for h in inside])),
                       pages_per_running_mean=float(np.mean([h["pages_per_running_mean"] for h in inside])),
-                      page_occupancy_mean=float(np.mean([h["page_occupancy"] for h in inside])))
-    stats = engine.stats()
+                      kv_tokens_per_running_mean=float(np.mean([h["kv_tokens_per_running_mean"] for h in inside])),
+                      page_occupancy_mean=float(np.mean([h["page_occupancy"] for h in inside])),
+                      steadiness=steadiness(inside), time_split=time_split(step_times, steady["start_s"],
+                                                                           steady["end_s"]))
+    stats, metrics, complete = engine.stats(), engine.metrics(), not engine.has_unfinished_requests() and not queue
+    if steady and capacity_steps and round(steady["running_mean"]) >= 1:  # after the run's own figures are taken
+        capacity = decode_capacity(engine, round(steady["running_mean"]), steady["kv_tokens_per_running_mean"],
+                                   capacity_steps, engine.config.seed)
+        steady.update(decode_capacity=capacity, capacity_efficiency=steady["tokens_per_s"] / capacity["tokens_per_s"])
     compile_after = stats.worker.compile_s - compile_wall
     steady_wall = max(wall - compile_after, 1e-9)
     half = next((s for s in samples if s["time_s"] >= wall / 2), samples[-1])
     second_half_s = wall - half["time_s"]
-    metrics = engine.metrics()
     peak_pages = [r.peak_pages for r in requests if r.peak_pages]
     row = dict(
         mode=mode, init_s=init_s, warmup_s=warm["compile_s"], programs=warm["programs"], startup_s=startup_s,
         compiles_after_warmup=stats.num_compiles - compiles, compile_s_after_warmup=compile_after,
-        generation_s=wall, complete=not engine.has_unfinished_requests() and not queue,
+        generation_s=wall, complete=complete,
         requests_added=len(requests), requests_finished=finished, concurrency=concurrency,
-        steady_skip_tokens=skip_tokens if concurrency else None, aged_start=aged, prefilled_s=prefilled_s,
+        workload_output_tokens=int(sum(workload.max_tokens)),
+        steady_skip_tokens=skip_tokens if concurrency else None, aged_start=aged, aged_residents=residents,
+        prefilled_s=prefilled_s,
         closed_loop_end_s=loop_end_s if concurrency else None, steady=steady or None,
         steady_tokens_per_s=steady["tokens_per_s"] if steady else None,
         generated_tokens=tokens, steps=steps, decode_steps=decode_steps,
@@ -198,7 +235,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         tokens_per_s_incl_startup=tokens / (startup_s + wall),
         mean_running=running_sum / max(steps, 1), peak_running=peak_running,
         mean_page_occupancy=occupancy_sum / max(steps, 1), peak_page_occupancy=peak_occupancy,
-        num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps, stalled_request_steps=stalled,
+        num_preemptions=stats.scheduler.num_preemptions, num_swaps=stats.scheduler.num_swaps,
+        stalled_request_steps=stalled,
         num_compressions=metrics["num_compressions"],
         compression_dispatches=timer.profile(),
         compression_time_share_steady=metrics["steady_compression_time_share"],

@@ -35,6 +35,7 @@ from zipage_jax.benchmarks.model_shapes import (
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
+from zipage_jax.benchmarks.decode_steps import time_decode_steps
 from zipage_jax.benchmarks.probes import DecodeReplay, HoldingScheduler
 from zipage_jax.benchmarks.profiling import kernel_breakdown
 from zipage_jax.config import SCORING_FIELDS, EngineConfig
@@ -51,16 +52,6 @@ DEFAULTS = dict(max_num_batched_tokens=8192, max_num_prefill_seqs=8, compilation
 # options with nothing to act on here (random weights without a tokenizer, full KV): left off the command line
 UNUSED = ("tokenizer", "kv_budget_pages", *SCORING_FIELDS, "num_query_rows", "admission", "async_compression",
           "max_compression_pages", "compression_min_batch", "compression_max_wait_steps")
-
-
-def replay_seconds(replay: DecodeReplay, n: int) -> float:
-    """Seconds per step of ``n`` back-to-back dispatches of the last decode step (device-bound time)."""
-    jax.block_until_ready(replay())
-    start = time.perf_counter()
-    for _ in range(n):
-        tokens = replay()
-    jax.block_until_ready(tokens)
-    return (time.perf_counter() - start) / n
 
 
 def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int, engine_options: dict | None = None,
@@ -112,16 +103,6 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
         raise ValueError(f"batch: {max_batch} requests of {max_model_len} tokens need {max_batch * pages_per_seq} "
                          f"pages; the KV pool the card leaves holds {num_pages - 1} (lower --batch or --ctx)")
     progress(f"random params + KV pool ({num_pages} pages of {page_size}): {time.perf_counter() - t:.1f}s")
-    observed = []  # per step: requests decoded, prompt chunks, their KV tokens, host s, read-back s, prefilled
-
-    def observe(record):
-        s = record.scheduled
-        observed.append((len(s.decodes), len(s.prefills), sum(r.num_computed_tokens for r in s.decodes),
-                         record.step_s - record.read_back_s, record.read_back_s,
-                         [c.request.request_id for c in s.prefills if c.start + c.num_tokens == ctx]))
-
-    engine.add_step_observer(observe)
-
     rng = np.random.default_rng(config.seed)
     prompts = [rng.integers(0, model_cfg.vocab_size, size=ctx).tolist() for _ in range(max_batch)]
     t = time.perf_counter()
@@ -148,58 +129,26 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
             hbm_peak_bytes_per_s=hbm_peak / tensor_parallel_size, prefill_s_incl_compile=prefill_s,
             results=list(results), hlo=hlo)
 
-    # every request generates its prefill token, the warm-up steps' and the measured steps' (then it ends)
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_model_len - ctx)
     results, hlo, hlo_key, outputs = [], None, None, []
     for batch in batches:
-        ids = [f"batch{batch}-{i}" for i in range(batch)]
-        for request_id, prompt in zip(ids, prompts):
-            engine.add_request(request_id, prompt, greedy)
-        held = 0
-        while held < batch:  # each prompt's last page; a prefilled request waits until every one is
-            del observed[:]
-            engine.step(only_finished=True)
-            if not observed[-1][1]:
-                raise RuntimeError("decode benchmark: a step prefilled nothing before every request was prefilled")
-            engine.scheduler.hold([engine.requests[request_id] for request_id in observed[-1][5]])
-            held += len(observed[-1][5])
-        engine.drain(only_finished=True)
-        engine.scheduler.release([engine.requests[request_id] for request_id in ids])
-        t = time.perf_counter()
-        engine.step(only_finished=True)
-        engine.drain(only_finished=True)
-        compile_s = time.perf_counter() - t
-        for _ in range(warmup_steps - 1):
-            engine.step(only_finished=True)
-        engine.drain(only_finished=True)
-        del observed[:]
-        calls = worker.programs.call_s
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step(only_finished=True)
-        outputs = engine.drain(only_finished=True)  # the last step's tokens: every request ends here
-        engine_step_s = (time.perf_counter() - start) / steps
-        jit_call_s = (worker.programs.call_s - calls) / steps
-        assert all(decodes == batch and not chunks for decodes, chunks, *_ in observed) and len(outputs) == batch
-        kv_tokens, host, blocked = ([step[i] for step in observed] for i in (2, 3, 4))
-        device_step_s = replay_seconds(replay, steps)
+        timing, outputs = time_decode_steps(engine, replay, prompts[:batch], steps, warmup_steps, tag="batch")
         hlo_key = hlo_key or replay.program_key
         breakdown = kernel_breakdown(replay) if profile else None
         weight_bytes = weight_bytes_per_step(worker.params, model_cfg, batch)
-        kv_bytes = float(np.mean(kv_tokens)) * per_token_kv
+        kv_bytes = timing.kv_tokens * per_token_kv
         step_bytes = weight_bytes + kv_bytes
         row = dict(
-            batch=batch, mean_kv_len=float(np.mean(kv_tokens)) / batch, steps=steps,
-            engine_step_ms=engine_step_s * 1e3, device_step_ms=device_step_s * 1e3,
-            host_ms_per_step=float(np.mean(host)) * 1e3, blocked_ms_per_step=float(np.mean(blocked)) * 1e3,
-            jit_call_ms_per_step=jit_call_s * 1e3, python_ms_per_step=(float(np.mean(host)) - jit_call_s) * 1e3,
-            idle_gap_ms=max(0.0, engine_step_s - device_step_s) * 1e3,
-            tokens_per_s=batch / engine_step_s, device_tokens_per_s=batch / device_step_s,
+            batch=batch, mean_kv_len=timing.kv_tokens / batch, steps=steps,
+            engine_step_ms=timing.engine_step_s * 1e3, device_step_ms=timing.device_step_s * 1e3,
+            host_ms_per_step=timing.host_s * 1e3, blocked_ms_per_step=timing.blocked_s * 1e3,
+            jit_call_ms_per_step=timing.jit_call_s * 1e3, python_ms_per_step=(timing.host_s - timing.jit_call_s) * 1e3,
+            idle_gap_ms=max(0.0, timing.engine_step_s - timing.device_step_s) * 1e3,
+            tokens_per_s=timing.tokens_per_s, device_tokens_per_s=timing.device_tokens_per_s,
             weight_bytes=weight_bytes, kv_bytes=kv_bytes,
             kv_bytes_gathered_by_reference=batch * pages_per_seq * page_size * per_token_kv,
-            roofline_fraction=step_bytes / engine_step_s / hbm_peak,
-            device_roofline_fraction=step_bytes / device_step_s / hbm_peak,
-            first_step_s_incl_compile=compile_s, profile=breakdown)
+            roofline_fraction=step_bytes / timing.engine_step_s / hbm_peak,
+            device_roofline_fraction=step_bytes / timing.device_step_s / hbm_peak,
+            first_step_s_incl_compile=timing.first_step_s, profile=breakdown)
         results.append(row)
         progress(format_row(row))
         if on_result:

@@ -57,6 +57,11 @@ class DecodeReplay:
         self.last = None  # the last decode's ``StepDispatch``
         worker.add_step_observer(self._record)
 
+    @classmethod
+    def of(cls, engine) -> "DecodeReplay":
+        """A replay of ``engine``'s own worker: the one place a benchmark reaches past the step loop."""
+        return cls(engine.worker)
+
     def _record(self, dispatch):
         if dispatch.kind == "decode":
             self.last = dispatch

@@ -19,7 +19,11 @@ from generation; the generation window starts when the requests are added and en
 - samples over time (throughput, concurrency, pages per running request) for the plots;
 - with a closed loop (``--concurrency``), the steady window's tok/s, running requests, pages per running request,
   page occupancy, compression share of the time (also without the first compressions of contexts wider than
-  M + 1 pages: ``--aged-start`` brings many) and HBM roofline fraction (below).
+  M + 1 pages: ``--aged-start`` brings many) and HBM roofline fraction (below); how steady it was (the drift of
+  the running count and of pages per request, the spread of the rate over its second half) and where its time
+  went, step by step (``steady_state``); and the yardstick: the engine's own decode step at the window's mean
+  running rows and context, timed on the same engine after the window (``--capacity-steps``), and the window's
+  tok/s as a share of it.
 
 ``--workload long-reasoning`` is the paper's regime: a KV budget of 2048 tokens (``--page-size 256
 --kv-budget-pages 8``, the workload's defaults unless the command line sets others), short prompts (a shared
@@ -32,7 +36,8 @@ pool's worth of tokens if less (the admission ramp and the first wave's first co
 filled once), and ends when the loop stops adding (the workload ran out: the tail, where requests drain, is left
 out) or generation stops. Full KV is still filling toward its own steady state then (its requests' contexts keep
 growing for as long as they live): the window flatters it. ``--aged-start`` enters the loop at its steady state
-instead (``aged_start``: the first ``--concurrency`` requests caught mid-trace, their generated part prefilled) and
+instead (``aged_start``: as many requests as the mode's engine holds at once caught mid-trace, their generated part
+prefilled, the rest of the loop fresh, so no aged request waits to bring its long context into the window) and
 starts the window when that prefill is over. ``--time-budget`` fits one command, start-ups included,
 into a device limit: each mode gets an equal share of the seconds left when it starts. ``--small
 --workload long-reasoning`` runs it scaled down on CPU (page 16, M=2, 6 requests, concurrency 3).
@@ -120,9 +125,13 @@ def add_arguments(parser):
                         help="closed loop: keep this many requests in the engine, adding the workload's next one "
                              "whenever one finishes (default: all at once; long-reasoning: --max-num-seqs)")
     parser.add_argument("--aged-start", action="store_true",
-                        help="closed loop: enter it at its steady state, the first --concurrency requests caught "
-                             "mid-trace (their generated part prefilled); the window starts when that prefill is "
-                             "over (full KV otherwise needs a request lifetime, minutes, to settle)")
+                        help="closed loop: enter it at its steady state, the requests a mode holds at once caught "
+                             "mid-trace (their generated part prefilled; the rest of the loop fresh); the window "
+                             "starts when that prefill is over (full KV otherwise needs a request lifetime, minutes, "
+                             "to settle)")
+    parser.add_argument("--capacity-steps", type=int, default=16,
+                        help="closed loop: after the window, time this many decode steps at the window's mean "
+                             "running rows and context on the same engine, the yardstick of its tok/s (0: off)")
     parser.add_argument("--duration", type=float, help="seconds of generation per mode (default: to completion)")
     parser.add_argument("--time-budget", type=float,
                         help="seconds for the whole command, start-ups included: each mode gets an equal share of "
@@ -193,6 +202,7 @@ def main(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from zipage_jax.benchmarks.probes import HoldingScheduler
     from zipage_jax.engine.llm_engine import LLMEngine
     from zipage_jax.models import weights
     from zipage_jax.worker import device_memory
@@ -220,7 +230,7 @@ def main(args) -> dict:
         if not args.model:
             params = functools.partial(weights.init_random_serving_params, model_cfg, jax.random.key(base.seed),
                                        dtype, base.tensor_parallel_size)
-        return LLMEngine(config, params=params)
+        return LLMEngine(config, params=params, scheduler_cls=HoldingScheduler)  # holds the capacity probe's rows
 
     for i, mode in enumerate(args.modes):
         now = time.perf_counter()
@@ -229,7 +239,8 @@ def main(args) -> dict:
         report["results"].append(run_mode(mode, make_engine, workload, args.duration, not args.no_warmup,
                                           args.sample_interval_s, progress=lambda line: print(line, flush=True),
                                           concurrency=concurrency, deadline=deadline,
-                                          budget_tokens=budget, aged=args.aged_start))
+                                          budget_tokens=budget, aged=args.aged_start,
+                                          capacity_steps=args.capacity_steps))
         gc.collect()  # the engine's pool goes before the next mode allocates its own
         write()
     print(format_report(report))

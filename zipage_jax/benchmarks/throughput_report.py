@@ -36,6 +36,36 @@ def format_steady(r: dict) -> str:
             f"HBM roofline")
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def format_yardstick(r: dict) -> str:
+    """How a steady window measures up: its steadiness, its share of the decode step's capacity at its own shape,
+    and where its time went, step kind by step kind."""
+    w = r["steady"]
+    st = w["steadiness"]
+    cv = st["second_half_rate_cv"]
+    lines = [f"{r['mode']}: steadiness: running {_pct(st['running_drift_per_min'])} a minute, pages per request "
+             f"{_pct(st['pages_per_running_drift_per_min'])} a minute, rate over the second half varies "
+             + ("n/a" if cv is None else f"{cv:.0%}") + " (CV)"]
+    cap = w.get("decode_capacity")
+    if cap:
+        lines.append(f"{r['mode']}: decode capacity at {cap['rows']} rows x {cap['ctx']} tokens (window: "
+                     f"{cap['kv_tokens']:.0f}): {cap['tokens_per_s']:.1f} tok/s ({cap['engine_step_ms']:.1f} ms a "
+                     f"step, {cap['device_step_ms']:.1f} ms alone); the window delivers "
+                     f"{w['capacity_efficiency']:.0%} of it")
+    split = w["time_split"]
+    parts = [f"{kind} {k['steps']} steps x {k['ms_per_step']:.1f} ms ({k['share']:.0%}; blocked "
+             f"{k['blocked_ms_per_step']:.1f} + host {k['host_ms_per_step']:.1f}; {k['decode_rows_mean']:.0f} rows, "
+             f"{k['prefill_tokens_mean']:.0f} prefill tokens, {k['compression_steps']} with compressions)"
+             for kind, k in split["kinds"].items()]
+    lines.append(f"{r['mode']}: window time: {split['per_decode_step_ms']:.1f} ms per decoding step; "
+                 + "; ".join(parts) + f"; outside steps {split['outside_steps_s']:.1f} s; "
+                 f"{split['stalled_per_decode_step']:.1f} stalled rows per decoding step")
+    return "\n".join(lines)
+
+
 def format_compressions(r: dict) -> str:
     """One line on a mode's compression dispatches by shape: how many, how full, and what one costs."""
     parts = []
@@ -51,6 +81,7 @@ def format_report(report: dict) -> str:
              f"(p99 {report['workload']['output_tokens_p99']:.0f}) tokens; {report['config']}", HEADER]
     lines += [format_row(r) for r in report["results"]]
     lines += [format_steady(r) for r in report["results"] if r.get("concurrency")]
+    lines += [format_yardstick(r) for r in report["results"] if r.get("steady")]
     lines += [format_compressions(r) for r in report["results"] if r.get("compression_dispatches")]
     ratios = report.get("ratios", {})
     lines += [f"{k}: {v:.2f}x" for k, v in ratios.items() if v is not None]

@@ -17,6 +17,20 @@ class Workload:
     prompts: list
     max_tokens: list
     description: str
+    # an aged start's first requests as they were before ageing: (prompt, max_tokens) each (``with_residents``)
+    fresh: list | None = None
+
+    def with_residents(self, residents: int) -> "Workload":
+        """An aged start with only its first ``residents`` requests mid-trace, the other aged ones fresh again: the
+        aged requests are those a mode's engine holds at once, so none waits to bring its long context into the
+        steady window (a request that waits in a loop at its steady state has not started)."""
+        if self.fresh is None or residents >= len(self.fresh):
+            return self
+        prompts, outputs = list(self.prompts), list(self.max_tokens)
+        for i in range(residents, len(self.fresh)):
+            prompts[i], outputs[i] = self.fresh[i]
+        return dataclasses.replace(self, prompts=prompts, max_tokens=outputs, fresh=None,
+                                   description=f"{self.description}; {residents} of them resident")
 
     def summary(self) -> dict:
         prompt = [len(p) for p in self.prompts]
@@ -105,4 +119,4 @@ def aged_start(workload: Workload, count: int, vocab: int, seed: int = 0) -> Wor
     return Workload(workload.name, prompts + [workload.prompts[i] for i in rest],
                     outputs + [workload.max_tokens[i] for i in rest],
                     f"{workload.description}; the first {count} entered mid-trace (aged start: length-biased, "
-                    f"uniform ages)")
+                    f"uniform ages)", fresh=[(workload.prompts[j], workload.max_tokens[j]) for j in picks])

@@ -1,0 +1,111 @@
+"""What a closed loop's steady window is, how steady it was, and where its time went.
+
+The window: ``steady_window`` over the run's samples (from the end of the admission ramp, or of an aged start's
+initial prefill: ``prefill_over_s``, to where the loop stopped adding). Steadiness: the drift of the running count
+and of the pages a running request holds across the window, and the spread of the per-second rate over its second
+half. The time split: every engine step of the window by what it ran (decode only, prefill and decode together,
+prefill only, nothing to read back), each step's wall seconds split into the wait for the device (the previous
+step's tokens) and the host's own time, and the loop's time outside its steps.
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+def steady_window(samples, skip_tokens: int, end_s: float | None = None,
+                  start_s: float | None = None) -> dict | None:
+    """The steady part of a run, from its samples ``[(time_s, generated tokens)]`` in time order: from the first
+    sample with at least ``skip_tokens`` generated (past the admission ramp and, with one KV budget per concurrent
+    request, the first wave's first compressions), or the first at or after ``start_s`` when given, to the last
+    sample at or before ``end_s`` (when the closed loop stopped adding: the tail, where requests drain, is left
+    out; None: the last sample). Returns ``dict(start_s, end_s, tokens, tokens_per_s)``, or None when the window
+    holds no time."""
+    start = next((i for i, (t, generated) in enumerate(samples)
+                  if (t >= start_s if start_s is not None else generated >= skip_tokens)), None)
+    end = max((i for i, (t, _) in enumerate(samples) if end_s is None or t <= end_s), default=None)
+    if start is None or end is None or samples[end][0] <= samples[start][0]:
+        return None
+    (t0, g0), (t1, g1) = samples[start], samples[end]
+    return dict(start_s=t0, end_s=t1, tokens=g1 - g0, tokens_per_s=(g1 - g0) / (t1 - t0))
+
+
+def prefill_over_s(samples, end_s: float | None = None, share: float = 0.8) -> float | None:
+    """When an aged start's initial prefill is over, from the samples (``num_prefilling``, ``num_running``): the
+    first sample, after one with a request mid-prefill, at which none is and the engine runs at least ``share`` of
+    its typical concurrency (the median running count over the second half of the samples up to ``end_s``). A
+    pause in the prefill while admission waits for pages (compressed mode prefills the long contexts a few at a
+    time, each compressed before the next fits) is not the end of the ramp. None: it never ended."""
+    loop = [h for h in samples if end_s is None or h["time_s"] <= end_s]
+    busy = next((i for i, h in enumerate(loop) if h["num_prefilling"]), None)
+    if busy is None:
+        return None
+    typical = float(np.median([h["num_running"] for h in loop[len(loop) // 2:]]))
+    return next((h["time_s"] for h in loop[busy:]
+                 if h["num_prefilling"] == 0 and h["num_running"] >= share * typical), None)
+
+
+def _drift_per_min(times, values) -> float | None:
+    """The least-squares slope of ``values`` over ``times``, per minute, relative to their mean (None: too few)."""
+    mean = float(np.mean(values)) if len(values) else 0.0
+    if len(values) < 3 or mean == 0 or times[-1] <= times[0]:
+        return None
+    return float(np.polyfit(times, values, 1)[0]) * 60 / mean
+
+
+def steadiness(inside: list[dict]) -> dict:
+    """How steady a window's samples are: the running count's and the pages per running request's drift (relative,
+    per minute) and the coefficient of variation of the per-sample rate over the window's second half."""
+    t = [h["time_s"] for h in inside]
+    rates = [(b["generated"] - a["generated"]) / (b["time_s"] - a["time_s"])
+             for a, b in zip(inside, inside[1:]) if b["time_s"] > a["time_s"]]
+    second = rates[len(rates) // 2:]
+    mean = float(np.mean(second)) if second else 0.0
+    return dict(running_drift_per_min=_drift_per_min(t, [h["num_running"] for h in inside]),
+                pages_per_running_drift_per_min=_drift_per_min(t, [h["pages_per_running_mean"] for h in inside]),
+                second_half_rate_cv=float(np.std(second)) / mean if len(second) > 1 and mean else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One engine step as the time split reads it (``time_s``: when it returned, on the samples' clock)."""
+
+    time_s: float
+    step_s: float
+    read_back_s: float
+    decode_rows: int
+    prefill_tokens: int
+    stalled: int
+    compressions: int
+
+    @property
+    def kind(self) -> str:
+        if self.decode_rows and self.prefill_tokens:
+            return "mixed"
+        return "decode" if self.decode_rows else "prefill" if self.prefill_tokens else "other"
+
+
+def time_split(steps: list[StepTime], start_s: float, end_s: float) -> dict:
+    """The window's wall seconds by step kind (see the module docstring); ``per_decode_step_ms``: the window's wall
+    per step that decoded, the figure to hold against the decode step alone at the same shape."""
+    inside = [s for s in steps if start_s < s.time_s <= end_s]
+    wall = end_s - start_s
+    kinds = {}
+    for kind in ("decode", "mixed", "prefill", "other"):
+        group = [s for s in inside if s.kind == kind]
+        if not group:
+            continue
+        seconds = sum(s.step_s for s in group)
+        kinds[kind] = dict(steps=len(group), seconds=seconds, share=seconds / wall,
+                           ms_per_step=seconds / len(group) * 1e3,
+                           blocked_ms_per_step=sum(s.read_back_s for s in group) / len(group) * 1e3,
+                           host_ms_per_step=sum(s.step_s - s.read_back_s for s in group) / len(group) * 1e3,
+                           decode_rows_mean=float(np.mean([s.decode_rows for s in group])),
+                           prefill_tokens_mean=float(np.mean([s.prefill_tokens for s in group])),
+                           compression_steps=sum(bool(s.compressions) for s in group))
+    decoding = sum(bool(s.decode_rows) for s in inside)
+    in_steps = sum(s.step_s for s in inside)
+    return dict(wall_s=wall, steps=len(inside), kinds=kinds, outside_steps_s=max(0.0, wall - in_steps),
+                stalled_request_steps=sum(s.stalled for s in inside),
+                stalled_per_decode_step=sum(s.stalled for s in inside) / max(decoding, 1),
+                per_decode_step_ms=wall / max(decoding, 1) * 1e3)
