@@ -4,6 +4,8 @@ behave as with the loop on a thread, cancellations give their pages back, the en
 lost engine process fails what was in flight and turns /health to 503."""
 
 
+import pickle
+
 import openai
 import pytest
 
@@ -11,9 +13,13 @@ from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
 from waiting import wait_until
 from zipage_jax.engine.core_client import ProcessCore
-from zipage_jax.engine.engine_core import OutputDelta, _delta, merge
+from zipage_jax.engine.engine_core import output_delta
+from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, NewRequest, OutputDelta,
+                                        Refused, Stop)
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
+from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
 from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
@@ -22,10 +28,12 @@ OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched
 
 
 def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
+    """What the engine loop sends (``output_delta``) applied by the server's side (``ChoiceOutput``) gives back
+    the engine's cumulative output, the tokens a stream took along the way included."""
     rng = seeded_rng()
     for _ in range(50):
         text, ids, logprobs, sent = "", [], [], [0, 0]
-        rebuilt = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, None)], False)
+        rebuilt, taken_ids, taken_logprobs = ChoiceOutput(), [], []
         for step in range(int(rng.integers(1, 12))):
             new = int(rng.integers(0, 4))
             ids = ids + [int(t) for t in rng.integers(0, 100, new)]
@@ -37,15 +45,34 @@ def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
             out = RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
                                                                   "stop" if finished else None)], finished,
                                 dict(peak_kv_pages=3) if finished else {})
-            delta = _delta(out, sent)
+            delta = output_delta(out, sent)
             assert isinstance(delta, OutputDelta) and len(delta.token_ids) <= new
-            merge(rebuilt, delta)
-            assert (rebuilt.outputs[0].text, rebuilt.outputs[0].token_ids, rebuilt.outputs[0].logprobs) == \
+            rebuilt.apply(delta)
+            if rng.random() < 0.5:  # a stream sends what it holds
+                took_ids, took_logprobs = rebuilt.take_tokens()
+                taken_ids += took_ids
+                taken_logprobs += took_logprobs
+            assert (rebuilt.text, taken_ids + rebuilt.token_ids, taken_logprobs + rebuilt.logprobs) == \
                 (text, ids, logprobs)
-            assert rebuilt.finished == finished and rebuilt.outputs[0].finish_reason == out.outputs[0].finish_reason
+            assert rebuilt.num_tokens == len(ids) and rebuilt.num_taken == len(taken_ids)
+            assert rebuilt.finished == finished and rebuilt.finish_reason == out.outputs[0].finish_reason
             if finished:
                 assert rebuilt.metrics == {"peak_kv_pages": 3}
                 break
+
+
+def test_messages_cross_a_pipe_as_they_were_sent():
+    """Commands and events pickle (the engine process is spawned), and a refusal names its field."""
+    request = NewRequest("r-0", [5, 6], SamplingParams(max_tokens=None, truncate_prompt_tokens=1))
+    for message in [AddRequests(3, [request, request]), Abort(["r-0"]), Stop(), Added(3, [Accepted(1, [6])]),
+                    Failed(["r-0"], "gone", True), Metrics({"num_running": 1})]:
+        assert pickle.loads(pickle.dumps(message)) == message
+    refused = Refused.of(3, ContextLengthError("max_tokens: 'max_tokens' or 'max_completion_tokens' is too large"))
+    assert (refused.field, refused.over_context, refused.bad_input) == ("max_tokens", True, True)
+    assert refused.reason.startswith("'max_tokens' or")
+    assert Refused.of(3, ValueError("prompt: empty prompt")) == Refused(3, "prompt: empty prompt", "prompt")
+    assert Refused.of(3, ValueError("no field here")).field is None
+    assert not Refused.of(3, KeyError("bug")).bad_input
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,9 @@ from waiting import HANG_S, wait_until
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
-from zipage_jax.entrypoints.api_server import build_parser, create_app, stable_text_len
+from zipage_jax.entrypoints.api_server import create_app
+from zipage_jax.entrypoints.cli_args import build_parser
+from zipage_jax.entrypoints.serving_engine import stable_text_len
 from zipage_jax.worker.programs import Programs
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
@@ -415,7 +417,7 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
     def warnings():
         return [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
 
-    with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.api_server"):
+    with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.serving_engine"):
         body = _completion(model=model, request_id="r1", cache_salt="salt", vllm_xargs={"a": 1}, length_penalty=2.0,
                            best_of=1, logit_bias={}, user="someone", add_special_tokens=True)
         assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=HANG_S).status_code == 200
@@ -431,6 +433,65 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
                                                       "messages[].reasoning_content"))
         assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=HANG_S).status_code == 200
         assert len(warnings()) == 2  # nothing ignored: no warning
+
+
+def test_the_engine_validates_what_the_client_asked_and_its_refusal_is_a_400_naming_the_field(live, model, engine):
+    """The server passes the prompt and max_tokens on as the client sent them (no truncation, no budget of its
+    own); the engine truncates, fits and refuses, and its ValueError reaches the client as a 400 naming the field
+    (``messages`` for a chat prompt), a context overflow with vLLM's code."""
+    seen, real_add = [], engine.add_request
+
+    def recording_add(request_id, prompt, params, **kwargs):
+        seen.append((len(prompt), params, kwargs))
+        if params.presence_penalty == 1.5:
+            raise ValueError("presence_penalty: refused by the engine")
+        return real_add(request_id, prompt, params, **kwargs)
+
+    engine.add_request = recording_add
+    try:
+        messages = [{"role": "user", "content": "What is 67815*55?"}]
+        got = live.client().chat.completions.create(model=model, messages=messages, temperature=0,
+                                                    extra_body={"truncate_prompt_tokens": 5, "max_tokens": None})
+        [(sent_len, params, kwargs)] = seen
+        assert sent_len == len(chat_ids(engine, messages)) > 5 and params.truncate_prompt_tokens == 5
+        assert params.max_tokens is None and kwargs == {"reject_over_length": True}
+        assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().completions.create(model=model, prompt="hi", presence_penalty=1.5)
+        assert err.value.body["param"] == "presence_penalty" and "refused by the engine" in err.value.message
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().chat.completions.create(model=model, messages=messages, max_tokens=engine.max_model_len)
+        assert (err.value.body["param"], err.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+        assert err.value.body["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large")
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().chat.completions.create(model=model, messages=[
+                {"role": "user", "content": "y " * engine.max_model_len}])
+        assert (err.value.body["param"], err.value.body["code"]) == ("messages", "context_length_exceeded")
+        assert err.value.body["message"].startswith("This model's maximum context length is")
+    finally:
+        del engine.add_request
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_truncated_prompt_is_echoed_and_counted_as_the_engine_kept_it(live, model, engine, stream):
+    long = engine.tokenizer.encode(QUESTION, add_special_tokens=False)
+    short = long[:7]
+    kw = dict(model=model, prompt=[long, short], n=2, max_tokens=4, temperature=0, echo=True, logprobs=0,
+              extra_body={"truncate_prompt_tokens": 12})
+    if stream:
+        texts, tokens = [""] * 4, [[] for _ in range(4)]
+        for chunk in live.client().completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                tokens[c.index] += c.logprobs.tokens
+            usage = chunk.usage
+    else:
+        got = live.client().completions.create(**kw)
+        texts, tokens, usage = [c.text for c in got.choices], [c.logprobs.tokens for c in got.choices], got.usage
+    echoed = [engine.tokenizer.decode(long[-12:])] * 2 + [engine.tokenizer.decode(short)] * 2
+    assert all(text.startswith(prompt) for text, prompt in zip(texts, echoed)), texts
+    assert [len(t) for t in tokens] == [12 + 4] * 2 + [7 + 4] * 2
+    assert (usage.prompt_tokens, usage.completion_tokens) == (12 + 7, 4 * 4)
 
 
 def test_stop_special_token_truncation_and_chat_template_fields(live, model, engine, reference):
