@@ -1,7 +1,8 @@
 """The server's engine loop in a process of its own (``core_client.ProcessCore``, what ``serve`` runs): its outputs
-cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), requests
-behave as with the loop on a thread, cancellations give their pages back, the engine's own errors are 400s, and a
-lost engine process fails what was in flight and turns /health to 503."""
+cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), its messages
+pickle, requests behave as with the loop on a thread, cancellations give their pages back, the engine's own errors
+are 400s, what it truncated comes back, and a lost engine process fails what was in flight and turns /health to
+503."""
 
 
 import pickle
@@ -21,7 +22,7 @@ from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
 from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
-from test_serve import TINY_MODEL, chat_ids, make_engine, offline
+from test_serve import TINY_MODEL, chat_ids, make_engine, offline, offline_batch
 
 OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
                max_num_prefill_seqs=8, num_gpu_pages_override=512, compilation_cache_dir=None)
@@ -123,7 +124,7 @@ def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live,
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
     prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(12)]
-    wants = {i: offline(reference, p, temperature=0.0, max_tokens=24)[0].text for i, p in enumerate(prompts)}
+    wants = {i: want.text for i, want in enumerate(offline_batch(reference, prompts, temperature=0.0, max_tokens=24))}
 
     after = stream_all_cancelling_odd(live, model_of(live), prompts, wants, max_tokens=24, cancel_max_tokens=300)
     assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
@@ -131,6 +132,18 @@ def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live,
     with pytest.raises(openai.BadRequestError) as err:  # the engine process's own check: ids beyond the vocabulary
         live.client().completions.create(model=model_of(live), prompt=[5, 10**6], max_tokens=2)
     assert "token ids must be ints" in err.value.message and err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:  # a context overflow keeps its kind across the pipe
+        live.client().completions.create(model=model_of(live), prompt=[5, 6], max_tokens=10**6)
+    assert (err.value.body["param"], err.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_a_truncated_prompt_comes_back_from_the_engine_process(live, reference):
+    ids = reference.tokenizer.encode("What is 12+7? Think step by step.", add_special_tokens=False)
+    got = live.client().completions.create(model=model_of(live), prompt=ids, echo=True, max_tokens=3,
+                                           temperature=0, extra_body={"truncate_prompt_tokens": 4})
+    want, prompt_len = offline(reference, ids[-4:], temperature=0.0, max_tokens=3)
+    assert got.choices[0].text == reference.tokenizer.decode(ids[-4:]) + want.text
+    assert got.usage.prompt_tokens == prompt_len == 4 < len(ids)
 
 
 def test_a_launch_error_is_the_engines_value_error():
@@ -138,19 +151,17 @@ def test_a_launch_error_is_the_engines_value_error():
         ProcessCore.launch(TINY_MODEL, {**OPTIONS, "max_model_len": 10**6}, warmup=False, log_level="WARNING")
 
 
-def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so():
-    core = ProcessCore.launch(TINY_MODEL, OPTIONS, warmup=False, log_level="WARNING")
-    with live_server(core) as live:
-        client, model = live.client(), model_of(live)
-        stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))
-        core._process.kill()
-        with pytest.raises(openai.APIError, match="engine process exited"):
-            for _ in stream:
-                pass
-        wait_until(lambda: live.get("/health").status_code == 503, "/health to report the lost engine")
-        with pytest.raises(openai.APIStatusError) as err:
-            client.completions.create(model=model, prompt="x", max_tokens=2)
-        assert err.value.status_code == 503
-
+def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so(live):
+    """The module's last test: it kills the module's engine process (a second one would cost a start)."""
+    client, model = live.client(), model_of(live)
+    stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    live.core._process.kill()
+    with pytest.raises(openai.APIError, match="engine process exited"):
+        for _ in stream:
+            pass
+    wait_until(lambda: live.get("/health").status_code == 503, "/health to report the lost engine")
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=model, prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
