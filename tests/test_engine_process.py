@@ -14,7 +14,7 @@ from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
 from waiting import wait_until
 from zipage_jax.engine.core_client import ProcessCore
-from zipage_jax.engine.engine_core import output_delta
+from zipage_jax.engine.engine_core import Reported, output_delta
 from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, NewRequest, OutputDelta,
                                         Refused, Stop)
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -30,11 +30,13 @@ OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched
 
 def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
     """What the engine loop sends (``output_delta``) applied by the server's side (``ChoiceOutput``) gives back
-    the engine's cumulative output, the tokens a stream took along the way included."""
+    the engine's cumulative output, the tokens a stream took along the way included; prompt logprobs cross until
+    they have crossed complete."""
     rng = seeded_rng()
     for _ in range(50):
-        text, ids, logprobs, sent = "", [], [], [0, 0]
+        text, ids, logprobs, reported = "", [], [], Reported()
         rebuilt, taken_ids, taken_logprobs = ChoiceOutput(), [], []
+        computed, crossed = 1, False  # prompt positions whose logprobs are known (nothing predicts the first)
         for step in range(int(rng.integers(1, 12))):
             new = int(rng.integers(0, 4))
             ids = ids + [int(t) for t in rng.integers(0, 100, new)]
@@ -43,11 +45,15 @@ def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
             finished = step > 0 and rng.random() < 0.2
             if finished and text:  # a stop string completed late: text already reported is taken back
                 text = text[:int(rng.integers(0, len(text)))]
-            out = RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
-                                                                  "stop" if finished else None)], finished,
-                                dict(peak_kv_pages=3) if finished else {})
-            delta = output_delta(out, sent)
+            computed = min(computed + int(rng.random() < 0.5), 3)  # the prompt's next chunk, maybe
+            prompt_logprobs = [None] + [{7: Logprob(-1.0)} if i < computed else None for i in (1, 2)]
+            out = RequestOutput("r", None, [1, 7, 7], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
+                                                                        "stop" if finished else None)], finished,
+                                prompt_logprobs=prompt_logprobs)
+            delta = output_delta(out, reported)
             assert isinstance(delta, OutputDelta) and len(delta.token_ids) <= new
+            assert (delta.prompt_logprobs is None) == crossed  # sent until sent complete, then never again
+            crossed = computed == 3
             rebuilt.apply(delta)
             if rng.random() < 0.5:  # a stream sends what it holds
                 took_ids, took_logprobs = rebuilt.take_tokens()
@@ -56,9 +62,9 @@ def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
             assert (rebuilt.text, taken_ids + rebuilt.token_ids, taken_logprobs + rebuilt.logprobs) == \
                 (text, ids, logprobs)
             assert rebuilt.num_tokens == len(ids) and rebuilt.num_taken == len(taken_ids)
-            assert rebuilt.finished == finished and rebuilt.finish_reason == out.outputs[0].finish_reason
+            assert rebuilt.prompt_logprobs == prompt_logprobs
+            assert delta.finished == finished and rebuilt.finish_reason == out.outputs[0].finish_reason
             if finished:
-                assert rebuilt.metrics == {"peak_kv_pages": 3}
                 break
 
 

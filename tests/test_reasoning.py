@@ -5,7 +5,7 @@ import types
 import pytest
 
 from seeds import seeded_rng
-from zipage_jax.engine.engine_core import output_delta
+from zipage_jax.engine.engine_core import Reported, output_delta
 from zipage_jax.engine.messages import Accepted
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 from zipage_jax.engine.request_group import ChoiceOutput
@@ -41,11 +41,11 @@ def stream_chunks(parser_name: str, prompt: str, reply: str, cuts: list[int], st
     serving = types.SimpleNamespace(reasoning=ReasoningParser(parser_name), token_text=str)
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], stop=stop)
     stream = ChatView(serving, body, [Accepted(2)], prompt).stream(0)
-    output, deltas, sent = ChoiceOutput(), [], [0, 0]
+    output, deltas, reported = ChoiceOutput(), [], Reported()
     for i, end in enumerate(cuts + [len(reply)]):
         last = i == len(cuts)
         completion = CompletionOutput(0, reply[:end], list(range(end)), None, None, "stop" if last else None)
-        output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], last), sent))
+        output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], last), reported))
         chunk = stream.chunk(output)
         if chunk is not None:
             deltas.append(chunk["delta"])

@@ -9,6 +9,7 @@ nowhere else: the server learns what was queued (``Added``) or why not (``Refuse
 """
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,7 +36,7 @@ class EngineCore:
         self.stop_warmup = stop_warmup  # done on shutdown: a warm-up still compiling ends at once
         self.warmup = warmup
         self.ready_early = ready_early  # ready once a light load's programs are; the rest compile in the background
-        self._sent: dict[str, list[int]] = {}  # request id -> [tokens, characters] reported so far
+        self._sent: dict[str, Reported] = {}  # the requests in flight
         self._metrics_at = 0.0
 
     def run(self):
@@ -122,7 +123,7 @@ class EngineCore:
         try:
             for new in command.requests:
                 self.engine.add_request(new.request_id, new.prompt_token_ids, new.params, reject_over_length=True)
-                self._sent[new.request_id] = [0, 0]
+                self._sent[new.request_id] = Reported()
                 kept = self.engine.requests[new.request_id].prompt_token_ids
                 accepted.append(Accepted(len(kept), list(kept) if len(kept) != len(new.prompt_token_ids) else None))
         except Exception as error:
@@ -142,10 +143,10 @@ class EngineCore:
             return
         deltas = []
         for output in outputs:
-            sent = self._sent.get(output.request_id)
-            if sent is None:
+            reported = self._sent.get(output.request_id)
+            if reported is None:
                 continue  # aborted by its client, or from a failed add
-            deltas.append(output_delta(output, sent))
+            deltas.append(output_delta(output, reported))
             if output.finished:
                 del self._sent[output.request_id]
         if deltas:
@@ -173,13 +174,23 @@ class EngineCore:
         self.emit(Metrics(self.engine.metrics()))
 
 
-def output_delta(output, sent: list[int]) -> OutputDelta:
-    """The part of ``output`` (cumulative) not reported yet; advances ``sent``."""
-    c = output.outputs[0]
-    token_start, text_start = min(sent[0], len(c.token_ids)), min(sent[1], len(c.text))
-    sent[0], sent[1] = len(c.token_ids), len(c.text)
-    return OutputDelta(output.request_id, token_start, c.token_ids[token_start:], text_start, c.text[text_start:],
-                       None if c.logprobs is None else c.logprobs[token_start:], c.cumulative_logprob,
-                       c.finish_reason, c.stop_reason, output.finished, output.metrics if output.finished else None,
-                       output.prompt_logprobs)
+@dataclasses.dataclass
+class Reported:
+    """How much of one request's output the server has."""
 
+    tokens: int = 0
+    chars: int = 0
+    prompt_logprobs: bool = False  # all of them (they are complete once the prompt is computed)
+
+
+def output_delta(output, reported: Reported) -> OutputDelta:
+    """The part of ``output`` (cumulative) not reported yet; advances ``reported``."""
+    c = output.outputs[0]
+    token_start, text_start = min(reported.tokens, len(c.token_ids)), min(reported.chars, len(c.text))
+    reported.tokens, reported.chars = len(c.token_ids), len(c.text)
+    prompt_logprobs = None if reported.prompt_logprobs else output.prompt_logprobs
+    if prompt_logprobs is not None:
+        reported.prompt_logprobs = None not in prompt_logprobs[1:]  # the first has none: nothing predicts it
+    return OutputDelta(output.request_id, token_start, c.token_ids[token_start:], text_start, c.text[text_start:],
+                       None if c.logprobs is None else c.logprobs[token_start:], c.finish_reason, c.stop_reason,
+                       prompt_logprobs)

@@ -141,13 +141,14 @@ class OutputDelta:
     token_ids: list[int]
     text_start: int
     text: str
-    logprobs: list | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
+    logprobs: list | None  # of the new tokens, where asked
+    finish_reason: str | None  # None while the request runs
     stop_reason: int | str | None
-    finished: bool
-    metrics: dict | None  # with the last delta only
-    prompt_logprobs: list | None  # whole, while the request asks for them
+    prompt_logprobs: list | None  # where asked: whole, until a delta has carried them complete
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @message

@@ -24,11 +24,8 @@ class ChoiceOutput:
         self.token_ids: list[int] = []
         self.logprobs: list | None = None
         self.num_taken = 0
-        self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.finished = False
-        self.metrics: dict | None = None
         self.prompt_logprobs: list | None = None
 
     @property
@@ -51,10 +48,7 @@ class ChoiceOutput:
             self.text += delta.text
         else:
             self.text = self.text[:delta.text_start] + delta.text
-        self.cumulative_logprob, self.finish_reason = delta.cumulative_logprob, delta.finish_reason
-        self.stop_reason, self.finished = delta.stop_reason, delta.finished
-        if delta.metrics is not None:
-            self.metrics = delta.metrics
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
 
