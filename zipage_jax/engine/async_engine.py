@@ -11,8 +11,8 @@ import itertools
 import logging
 
 from zipage_jax.engine.core_client import ThreadCore
-from zipage_jax.engine.messages import (Abort, Added, AddRequests, Exited, Failed, Metrics, NewRequest, Outputs, Ready,
-                                        Refused, Startup, Stop, Stopped)
+from zipage_jax.engine.messages import (Abort, Added, AddRequests, Event, Exited, Failed, Metrics, NewRequest, Outputs,
+                                        Ready, Refused, Startup, Stop, Stopped)
 from zipage_jax.engine.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class AsyncEngine:
         self.in_flight -= num_choices
 
     # -- events (on the event loop) --------------------------------------------------------------------------
-    def _on_event(self, event):
+    def _on_event(self, event: Event):
         match event:
             case Outputs(deltas):
                 for delta in deltas:

@@ -18,7 +18,7 @@ import sys
 import threading
 
 from zipage_jax.engine.engine_core import EngineCore
-from zipage_jax.engine.messages import Built, EngineInfo, Exited, LaunchError, Stop
+from zipage_jax.engine.messages import Built, Command, EngineInfo, Exited, LaunchError, Stop
 from zipage_jax.engine.tokenizer_store import load_serving_tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class ThreadCore:
         self._thread = threading.Thread(target=core.run, name=LOOP_THREAD, daemon=True)
         self._thread.start()
 
-    def send(self, command):
+    def send(self, command: Command):
         if isinstance(command, Stop) and not self._stop_warmup.done():
             self._stop_warmup.set_result(None)
         self._commands.put(command)
@@ -121,7 +121,7 @@ class ProcessCore:
         for thread in self._threads:
             thread.start()
 
-    def send(self, command):
+    def send(self, command: Command):
         self._outbox.put(command)
 
     @property

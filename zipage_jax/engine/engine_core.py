@@ -14,9 +14,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
-from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, OutputDelta, Outputs,
-                                        Ready, Refused, Startup, Stop, Stopped)
+from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Command, Event, Failed, Metrics,
+                                        OutputDelta, Outputs, Ready, Refused, Startup, Stop, Stopped)
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ MAX_SHUTDOWN_STEPS = 10_000  # steps allowed to retire aborted requests when sto
 class EngineCore:
     """Steps ``engine`` while it has work; between steps runs the commands queued since."""
 
-    def __init__(self, engine, emit, commands: queue.SimpleQueue, stop_warmup: concurrent.futures.Future,
-                 warmup: bool, ready_early: bool = False):
+    def __init__(self, engine, emit: Callable[[Event], None], commands: queue.SimpleQueue,
+                 stop_warmup: concurrent.futures.Future, warmup: bool, ready_early: bool = False):
         self.engine = engine
         self.emit = emit  # called from the loop's thread only
         self.commands = commands
@@ -98,7 +99,7 @@ class EngineCore:
         when they are done); otherwise it sleeps until a command comes."""
         return METRICS_INTERVAL_S if self.engine.compiling_in_background else None
 
-    def _drain(self, block: bool, timeout: float | None = None) -> list:
+    def _drain(self, block: bool, timeout: float | None = None) -> list[Command]:
         commands = []
         if block:
             try:

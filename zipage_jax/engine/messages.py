@@ -10,7 +10,7 @@ import dataclasses
 
 from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
-message = dataclasses.dataclass(frozen=True, slots=True)
+_message = dataclasses.dataclass(frozen=True, slots=True)
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -27,14 +27,14 @@ def field_of(error: ValueError) -> str | None:
 
 
 # -- commands ---------------------------------------------------------------------------------------------------
-@message
+@_message
 class NewRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens as the client asked (None: the rest of the context), not yet checked
 
 
-@message
+@_message
 class AddRequests:
     """Queue these requests, all or none; answered by ``Added`` or ``Refused`` with the same ``token``."""
 
@@ -42,12 +42,12 @@ class AddRequests:
     requests: list[NewRequest]
 
 
-@message
+@_message
 class Abort:
     request_ids: list[str]
 
 
-@message
+@_message
 class Stop:
     """Retire every request (their pages go back to the pool), then end the loop."""
 
@@ -56,43 +56,17 @@ Command = AddRequests | Abort | Stop
 
 
 # -- events -----------------------------------------------------------------------------------------------------
-@message
-class EngineInfo:
-    """What the server reads of the engine it serves."""
-
-    model_name: str
-    max_model_len: int
-    config: object  # EngineConfig
-    tokenizer_path: str | None  # None: the engine serves token ids only
-
-
-@message
-class Built:
-    """The engine process built its engine; the loop starts next."""
-
-    info: EngineInfo
-
-
-@message
-class LaunchError:
-    """Building the engine failed; ``bad_input``: a ``ValueError`` (what only the model and the device tell: the
-    memory plan, the context), else a bug or a broken installation."""
-
-    message: str
-    bad_input: bool
-
-
-@message
+@_message
 class Startup:
     detail: str  # what the warm-up is doing now (``/health`` shows it)
 
 
-@message
+@_message
 class Ready:
     """The warm-up is done (or there is none): requests are served from here on."""
 
 
-@message
+@_message
 class Accepted:
     """One request as the engine queued it: its prompt's length after ``truncate_prompt_tokens``, and the kept
     tokens themselves where truncation changed the prompt (otherwise the server holds them already)."""
@@ -101,13 +75,13 @@ class Accepted:
     truncated_prompt: list[int] | None = None
 
 
-@message
+@_message
 class Added:
     token: int
     accepted: list[Accepted]  # in the order of the command's requests
 
 
-@message
+@_message
 class Refused:
     """The engine queued none of a command's requests. ``field`` names the input at fault (``field_of``);
     ``over_context``: the request does not fit the model's context (vLLM's ``context_length_exceeded``);
@@ -131,7 +105,7 @@ class Refused:
         return self.message.removeprefix(f"{self.field}: ") if self.field else self.message
 
 
-@message
+@_message
 class OutputDelta:
     """What one step added to a request's output. The text and token lists are replaced from ``text_start`` /
     ``token_start`` on (a stop string found late truncates text already reported)."""
@@ -151,12 +125,12 @@ class OutputDelta:
         return self.finish_reason is not None
 
 
-@message
+@_message
 class Outputs:
     deltas: list[OutputDelta]
 
 
-@message
+@_message
 class Failed:
     """These requests ended without finishing; ``step_failure``: an ``engine.step()`` raised (counted even when
     no request was in flight)."""
@@ -166,19 +140,46 @@ class Failed:
     step_failure: bool = False
 
 
-@message
+@_message
 class Metrics:
     values: dict  # engine.metrics()
 
 
-@message
+@_message
 class Stopped:
     """The loop ended on ``Stop``."""
 
 
-@message
+@_message
 class Exited:
     """The engine process ended without being asked to (the server's side notices its pipe close)."""
 
 
 Event = Startup | Ready | Added | Refused | Outputs | Failed | Metrics | Stopped | Exited
+
+
+# -- the engine process's start (``ProcessCore.launch``), before any event -------------------------------------
+@_message
+class EngineInfo:
+    """What the server reads of the engine it serves."""
+
+    model_name: str
+    max_model_len: int
+    config: object  # EngineConfig
+    tokenizer_path: str | None  # None: the engine serves token ids only
+
+
+@_message
+class Built:
+    """The engine process built its engine; the loop starts next."""
+
+    info: EngineInfo
+
+
+@_message
+class LaunchError:
+    """Building the engine failed; ``bad_input``: a ``ValueError`` (what only the model and the device tell: the
+    memory plan, the context), else a bug or a broken installation."""
+
+    message: str
+    bad_input: bool

@@ -44,10 +44,7 @@ class ChoiceOutput:
                 self.logprobs = []
             del self.logprobs[start:]
             self.logprobs.extend(delta.logprobs[skip:])
-        if delta.text_start == len(self.text):
-            self.text += delta.text
-        else:
-            self.text = self.text[:delta.text_start] + delta.text
+        self.text = self.text[:delta.text_start] + delta.text
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
