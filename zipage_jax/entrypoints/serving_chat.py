@@ -80,9 +80,10 @@ class ChatView(RequestView):
                 "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
 
     def extras(self, outputs: list[ChoiceOutput]) -> dict:
+        """vLLM puts a chat response's prompt logprobs beside its choices (one prompt: the first choice's)."""
         if self.body.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": logprob_formats.prompt_logprobs(outputs[0].prompt_logprobs)}  # vLLM: beside
+        return {"prompt_logprobs": logprob_formats.prompt_logprobs(outputs[0].prompt_logprobs)}
 
     def stream(self, index: int) -> "ChatStream":
         holds = self.body.stop_strings + (self.reasoning.tags if self.reasoning is not None else ())
