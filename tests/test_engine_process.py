@@ -22,7 +22,7 @@ from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
 from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
-from test_serve import TINY_MODEL, chat_ids, make_engine, offline, offline_batch
+from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
 OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
                max_num_prefill_seqs=8, num_gpu_pages_override=512, compilation_cache_dir=None)
@@ -130,7 +130,7 @@ def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live,
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
     prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(12)]
-    wants = {i: want.text for i, want in enumerate(offline_batch(reference, prompts, temperature=0.0, max_tokens=24))}
+    wants = {i: offline(reference, p, temperature=0.0, max_tokens=24)[0].text for i, p in enumerate(prompts)}
 
     after = stream_all_cancelling_odd(live, model_of(live), prompts, wants, max_tokens=24, cancel_max_tokens=300)
     assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
