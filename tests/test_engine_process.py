@@ -1,8 +1,11 @@
 """The server's engine loop in a process of its own (``core_client.ProcessCore``, what ``serve`` runs): its outputs
-cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), requests
-behave as with the loop on a thread, cancellations give their pages back, the engine's own errors are 400s, and a
-lost engine process fails what was in flight and turns /health to 503."""
+cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), its messages
+pickle, requests behave as with the loop on a thread, cancellations give their pages back, the engine's own errors
+are 400s, what it truncated comes back, and a lost engine process fails what was in flight and turns /health to
+503."""
 
+
+import pickle
 
 import openai
 import pytest
@@ -11,9 +14,13 @@ from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
 from waiting import wait_until
 from zipage_jax.engine.core_client import ProcessCore
-from zipage_jax.engine.engine_core import OutputDelta, _delta, merge
+from zipage_jax.engine.engine_core import Reported, output_delta
+from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, NewRequest, OutputDelta,
+                                        Refused, Stop)
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
+from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
 from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
@@ -22,10 +29,14 @@ OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched
 
 
 def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
+    """What the engine loop sends (``output_delta``) applied by the server's side (``ChoiceOutput``) gives back
+    the engine's cumulative output, the tokens a stream took along the way included; prompt logprobs cross until
+    they have crossed complete."""
     rng = seeded_rng()
     for _ in range(50):
-        text, ids, logprobs, sent = "", [], [], [0, 0]
-        rebuilt = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, None)], False)
+        text, ids, logprobs, reported = "", [], [], Reported()
+        rebuilt, taken_ids, taken_logprobs = ChoiceOutput(), [], []
+        computed, crossed = 1, False  # prompt positions whose logprobs are known (nothing predicts the first)
         for step in range(int(rng.integers(1, 12))):
             new = int(rng.integers(0, 4))
             ids = ids + [int(t) for t in rng.integers(0, 100, new)]
@@ -34,18 +45,41 @@ def test_deltas_rebuild_the_cumulative_outputs_including_late_truncation():
             finished = step > 0 and rng.random() < 0.2
             if finished and text:  # a stop string completed late: text already reported is taken back
                 text = text[:int(rng.integers(0, len(text)))]
-            out = RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
-                                                                  "stop" if finished else None)], finished,
-                                dict(peak_kv_pages=3) if finished else {})
-            delta = _delta(out, sent)
+            computed = min(computed + int(rng.random() < 0.5), 3)  # the prompt's next chunk, maybe
+            prompt_logprobs = [None] + [{7: Logprob(-1.0)} if i < computed else None for i in (1, 2)]
+            out = RequestOutput("r", None, [1, 7, 7], [CompletionOutput(0, text, list(ids), -1.0, list(logprobs),
+                                                                        "stop" if finished else None)], finished,
+                                prompt_logprobs=prompt_logprobs)
+            delta = output_delta(out, reported)
             assert isinstance(delta, OutputDelta) and len(delta.token_ids) <= new
-            merge(rebuilt, delta)
-            assert (rebuilt.outputs[0].text, rebuilt.outputs[0].token_ids, rebuilt.outputs[0].logprobs) == \
+            assert (delta.prompt_logprobs is None) == crossed  # sent until sent complete, then never again
+            crossed = computed == 3
+            rebuilt.apply(delta)
+            if rng.random() < 0.5:  # a stream sends what it holds
+                took_ids, took_logprobs = rebuilt.take_tokens()
+                taken_ids += took_ids
+                taken_logprobs += took_logprobs
+            assert (rebuilt.text, taken_ids + rebuilt.token_ids, taken_logprobs + rebuilt.logprobs) == \
                 (text, ids, logprobs)
-            assert rebuilt.finished == finished and rebuilt.outputs[0].finish_reason == out.outputs[0].finish_reason
+            assert rebuilt.num_tokens == len(ids) and rebuilt.num_taken == len(taken_ids)
+            assert rebuilt.prompt_logprobs == prompt_logprobs
+            assert delta.finished == finished and rebuilt.finish_reason == out.outputs[0].finish_reason
             if finished:
-                assert rebuilt.metrics == {"peak_kv_pages": 3}
                 break
+
+
+def test_messages_cross_a_pipe_as_they_were_sent():
+    """Commands and events pickle (the engine process is spawned), and a refusal names its field."""
+    request = NewRequest("r-0", [5, 6], SamplingParams(max_tokens=None, truncate_prompt_tokens=1))
+    for message in [AddRequests(3, [request, request]), Abort(["r-0"]), Stop(), Added(3, [Accepted(1, [6])]),
+                    Failed(["r-0"], "gone", True), Metrics({"num_running": 1})]:
+        assert pickle.loads(pickle.dumps(message)) == message
+    refused = Refused.of(3, ContextLengthError("max_tokens: 'max_tokens' or 'max_completion_tokens' is too large"))
+    assert (refused.field, refused.over_context, refused.bad_input) == ("max_tokens", True, True)
+    assert refused.reason.startswith("'max_tokens' or")
+    assert Refused.of(3, ValueError("prompt: empty prompt")) == Refused(3, "prompt: empty prompt", "prompt")
+    assert Refused.of(3, ValueError("no field here")).field is None
+    assert not Refused.of(3, KeyError("bug")).bad_input
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +138,18 @@ def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live,
     with pytest.raises(openai.BadRequestError) as err:  # the engine process's own check: ids beyond the vocabulary
         live.client().completions.create(model=model_of(live), prompt=[5, 10**6], max_tokens=2)
     assert "token ids must be ints" in err.value.message and err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:  # a context overflow keeps its kind across the pipe
+        live.client().completions.create(model=model_of(live), prompt=[5, 6], max_tokens=10**6)
+    assert (err.value.body["param"], err.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_a_truncated_prompt_comes_back_from_the_engine_process(live, reference):
+    ids = reference.tokenizer.encode("What is 12+7? Think step by step.", add_special_tokens=False)
+    got = live.client().completions.create(model=model_of(live), prompt=ids, echo=True, max_tokens=3,
+                                           temperature=0, extra_body={"truncate_prompt_tokens": 4})
+    want, prompt_len = offline(reference, ids[-4:], temperature=0.0, max_tokens=3)
+    assert got.choices[0].text == reference.tokenizer.decode(ids[-4:]) + want.text
+    assert got.usage.prompt_tokens == prompt_len == 4 < len(ids)
 
 
 def test_a_launch_error_is_the_engines_value_error():
@@ -111,19 +157,17 @@ def test_a_launch_error_is_the_engines_value_error():
         ProcessCore.launch(TINY_MODEL, {**OPTIONS, "max_model_len": 10**6}, warmup=False, log_level="WARNING")
 
 
-def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so():
-    core = ProcessCore.launch(TINY_MODEL, OPTIONS, warmup=False, log_level="WARNING")
-    with live_server(core) as live:
-        client, model = live.client(), model_of(live)
-        stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))
-        core._process.kill()
-        with pytest.raises(openai.APIError, match="engine process exited"):
-            for _ in stream:
-                pass
-        wait_until(lambda: live.get("/health").status_code == 503, "/health to report the lost engine")
-        with pytest.raises(openai.APIStatusError) as err:
-            client.completions.create(model=model, prompt="x", max_tokens=2)
-        assert err.value.status_code == 503
-
+def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so(live):
+    """The module's last test: it kills the module's engine process (a second one would cost a start)."""
+    client, model = live.client(), model_of(live)
+    stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    live.core._process.kill()
+    with pytest.raises(openai.APIError, match="engine process exited"):
+        for _ in stream:
+            pass
+    wait_until(lambda: live.get("/health").status_code == 503, "/health to report the lost engine")
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=model, prompt="x", max_tokens=2)
+    assert err.value.status_code == 503

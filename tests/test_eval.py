@@ -255,7 +255,7 @@ def test_one_description_per_engine_field_serves_both_helps_and_the_readme():
     from pathlib import Path
 
     from zipage_jax.config import DESCRIPTIONS, reference_table
-    from zipage_jax.entrypoints.api_server import build_parser as serve_parser
+    from zipage_jax.entrypoints.cli_args import build_parser as serve_parser
 
     assert set(DESCRIPTIONS) == {"model", *option_fields()}
     eval_help = " ".join(build_parser()[0].format_help().split())

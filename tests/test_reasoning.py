@@ -5,8 +5,11 @@ import types
 import pytest
 
 from seeds import seeded_rng
+from zipage_jax.engine.engine_core import Reported, output_delta
+from zipage_jax.engine.messages import Accepted
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
-from zipage_jax.entrypoints.api_server import CHAT, _Prompt, _View
+from zipage_jax.engine.request_group import ChoiceOutput
+from zipage_jax.entrypoints.serving_chat import ChatView
 from zipage_jax.entrypoints.protocol import ChatCompletionRequest
 from zipage_jax.entrypoints.reasoning import ReasoningParser
 
@@ -35,14 +38,15 @@ def test_split_of_a_finished_reply(name, opened, reply, reasoning, content):
 
 def stream_chunks(parser_name: str, prompt: str, reply: str, cuts: list[int], stop=None):
     """The chat deltas of ``reply`` arriving cut at ``cuts``, through the server's streaming code."""
-    svc = types.SimpleNamespace(reasoning=ReasoningParser(parser_name), token_text=str, tokenizer=None)
+    serving = types.SimpleNamespace(reasoning=ReasoningParser(parser_name), token_text=str)
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], stop=stop)
-    stream = _View(svc, CHAT, body, [_Prompt([1, 2], prompt)]).choice_stream(0)
-    deltas = []
+    stream = ChatView(serving, body, [Accepted(2)], prompt).stream(0)
+    output, deltas, reported = ChoiceOutput(), [], Reported()
     for i, end in enumerate(cuts + [len(reply)]):
         last = i == len(cuts)
         completion = CompletionOutput(0, reply[:end], list(range(end)), None, None, "stop" if last else None)
-        chunk = stream.delta(RequestOutput("r", None, [1, 2], [completion], last))
+        output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], last), reported))
+        chunk = stream.chunk(output)
         if chunk is not None:
             deltas.append(chunk["delta"])
     return ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content", "") for d in deltas))

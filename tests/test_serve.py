@@ -23,7 +23,9 @@ from waiting import HANG_S, wait_until
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
-from zipage_jax.entrypoints.api_server import build_parser, create_app, stable_text_len
+from zipage_jax.entrypoints.api_server import create_app
+from zipage_jax.entrypoints.cli_args import build_parser
+from zipage_jax.entrypoints.serving_engine import stable_text_len
 from zipage_jax.worker.programs import Programs
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
@@ -59,6 +61,19 @@ def offline(engine, prompt, **params):
     """Oracle: the final CompletionOutput of one request driven straight through the engine contract."""
     final = offline_request(engine, prompt, **params)
     return final.outputs[0], len(final.prompt_token_ids)
+
+
+def offline_batch(engine, prompts, **params) -> list:
+    """Oracle of several prompts with the same params, run as one batch (as a server runs its clients' requests):
+    the final CompletionOutput of each, in order."""
+    request_ids = [f"ref-{next(_ref_ids)}" for _ in prompts]
+    for request_id, prompt in zip(request_ids, prompts):
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+        engine.add_request(request_id, ids, SamplingParams(**params))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((out.request_id, out.outputs[0]) for out in engine.step() if out.finished)
+    return [final[request_id] for request_id in request_ids]
 
 
 def offline_request(engine, prompt, **params):
@@ -226,7 +241,7 @@ def test_n_seeded_choices_use_seed_plus_index(live, model, reference, stream):
 def test_prompt_batch_gives_n_choices_per_prompt_in_order(live, model, reference):
     prompts = ["first prompt", "second one"]
     got = live.client().completions.create(model=model, prompt=prompts, n=2, temperature=0, max_tokens=20)
-    wants = [offline(reference, p, temperature=0.0, max_tokens=20)[0].text for p in prompts for _ in range(2)]
+    wants = [want.text for want in offline_batch(reference, prompts, temperature=0.0, max_tokens=20) for _ in range(2)]
     assert [c.text for c in got.choices] == wants
 
 
@@ -415,7 +430,7 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
     def warnings():
         return [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
 
-    with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.api_server"):
+    with caplog.at_level(logging.WARNING, logger="zipage_jax.entrypoints.serving_engine"):
         body = _completion(model=model, request_id="r1", cache_salt="salt", vllm_xargs={"a": 1}, length_penalty=2.0,
                            best_of=1, logit_bias={}, user="someone", add_special_tokens=True)
         assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=HANG_S).status_code == 200
@@ -431,6 +446,65 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
                                                       "messages[].reasoning_content"))
         assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=HANG_S).status_code == 200
         assert len(warnings()) == 2  # nothing ignored: no warning
+
+
+def test_the_engine_validates_what_the_client_asked_and_its_refusal_is_a_400_naming_the_field(live, model, engine):
+    """The server passes the prompt and max_tokens on as the client sent them (no truncation, no budget of its
+    own); the engine truncates, fits and refuses, and its ValueError reaches the client as a 400 naming the field
+    (``messages`` for a chat prompt), a context overflow with vLLM's code."""
+    seen, real_add = [], engine.add_request
+
+    def recording_add(request_id, prompt, params, **kwargs):
+        seen.append((len(prompt), params, kwargs))
+        if params.presence_penalty == 1.5:
+            raise ValueError("presence_penalty: refused by the engine")
+        return real_add(request_id, prompt, params, **kwargs)
+
+    engine.add_request = recording_add
+    try:
+        messages = [{"role": "user", "content": "What is 67815*55?"}]
+        got = live.client().chat.completions.create(model=model, messages=messages, temperature=0,
+                                                    extra_body={"truncate_prompt_tokens": 5, "max_tokens": None})
+        [(sent_len, params, kwargs)] = seen
+        assert sent_len == len(chat_ids(engine, messages)) > 5 and params.truncate_prompt_tokens == 5
+        assert params.max_tokens is None and kwargs == {"reject_over_length": True}
+        assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().completions.create(model=model, prompt="hi", presence_penalty=1.5)
+        assert err.value.body["param"] == "presence_penalty" and "refused by the engine" in err.value.message
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().chat.completions.create(model=model, messages=messages, max_tokens=engine.max_model_len)
+        assert (err.value.body["param"], err.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+        assert err.value.body["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large")
+        with pytest.raises(openai.BadRequestError) as err:
+            live.client().chat.completions.create(model=model, messages=[
+                {"role": "user", "content": "y " * engine.max_model_len}])
+        assert (err.value.body["param"], err.value.body["code"]) == ("messages", "context_length_exceeded")
+        assert err.value.body["message"].startswith("This model's maximum context length is")
+    finally:
+        del engine.add_request
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_truncated_prompt_is_echoed_and_counted_as_the_engine_kept_it(live, model, engine, stream):
+    long = engine.tokenizer.encode(QUESTION, add_special_tokens=False)
+    short = long[:7]
+    kw = dict(model=model, prompt=[long, short], n=2, max_tokens=4, temperature=0, echo=True, logprobs=0,
+              extra_body={"truncate_prompt_tokens": 12})
+    if stream:
+        texts, tokens = [""] * 4, [[] for _ in range(4)]
+        for chunk in live.client().completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                tokens[c.index] += c.logprobs.tokens
+            usage = chunk.usage
+    else:
+        got = live.client().completions.create(**kw)
+        texts, tokens, usage = [c.text for c in got.choices], [c.logprobs.tokens for c in got.choices], got.usage
+    echoed = [engine.tokenizer.decode(long[-12:])] * 2 + [engine.tokenizer.decode(short)] * 2
+    assert all(text.startswith(prompt) for text, prompt in zip(texts, echoed)), texts
+    assert [len(t) for t in tokens] == [12 + 4] * 2 + [7 + 4] * 2
+    assert (usage.prompt_tokens, usage.completion_tokens) == (12 + 7, 4 * 4)
 
 
 def test_stop_special_token_truncation_and_chat_template_fields(live, model, engine, reference):
@@ -513,7 +587,8 @@ def test_reasoning_parser_returns_the_think_block_as_reasoning_content(reference
 def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live, model, engine, reference):
     prompts = [f"client {i}: {'ab' * (i % 5)} ✓" for i in range(64)]
     # the oracle of the streams that run to the end (even i); the odd ones are cancelled after their first text
-    wants = {i: offline(reference, prompts[i], temperature=0.0, max_tokens=48)[0].text for i in range(0, 64, 2)}
+    wants = dict(zip(range(0, 64, 2), (want.text for want in offline_batch(reference, prompts[::2], temperature=0.0,
+                                                                               max_tokens=48))))
     wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
     baseline_pages = before["zipage_kv_pages_used"]
@@ -565,20 +640,20 @@ def test_full_queue_answers_429_and_recovers():
         assert live.metrics()["zipage_server_rejected_total"] == 1
 
 
-def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(reference):
-    engine = make_engine()
-    with live_server(engine) as live:
-        client, model = live.client(), model_of(live)
-        real_step, failures = engine.step, []
-        baseline = live.metrics()["zipage_kv_pages_used"]
+def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(live, model, engine, reference):
+    client = live.client()
+    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
+    before = live.metrics()
+    real_step, failures = engine.step, []
 
-        def failing_step():
-            if not failures:
-                failures.append(1)
-                raise RuntimeError("injected device fault")
-            return real_step()
+    def failing_step():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected device fault")
+        return real_step()
 
-        engine.step = failing_step
+    engine.step = failing_step
+    try:
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=model, prompt="doomed", max_tokens=50)
         assert err.value.body["type"] == "internal_error"
@@ -587,21 +662,23 @@ def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(refe
         got = client.completions.create(model=model, prompt="fine", max_tokens=50, temperature=0)
         assert got.choices[0].text == offline(reference, "fine", temperature=0.0, max_tokens=50)[0].text
         wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
-        assert live.metrics()["zipage_kv_pages_used"] == baseline
-        assert live.metrics()["zipage_server_step_failures_total"] == 1
+        after = live.metrics()
+        assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
+        assert after["zipage_server_step_failures_total"] == before["zipage_server_step_failures_total"] + 1
 
         engine.step, failures = failing_step, []
         with pytest.raises(openai.APIError, match="engine failed"):
             for _ in client.completions.create(model=model, prompt="doomed", max_tokens=50, stream=True):
                 pass
-        engine.step = real_step
+    finally:
+        del engine.step
 
 
-def test_graceful_shutdown_aborts_in_flight_and_joins_the_loop():
+def test_graceful_shutdown_aborts_in_flight_and_joins_the_loop(reference):
     def loop_threads():
         return sum(t.name == "engine-loop" for t in threading.enumerate())
 
-    engine, before = make_engine(), loop_threads()
+    engine, before = reference, loop_threads()
     with live_server(engine, grace_s=0.2) as live:
         assert loop_threads() == before + 1
         baseline = live.metrics()["zipage_kv_pages_used"]
@@ -699,8 +776,8 @@ def test_unknown_route_and_method_use_the_error_shape(live):
     assert live.get("/v1/models/not-it").status_code == 404
 
 
-def test_api_key_is_enforced_on_v1_only():
-    with live_server(make_engine(), api_key="s3cret") as live:
+def test_api_key_is_enforced_on_v1_only(reference):
+    with live_server(reference, api_key="s3cret") as live:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
             r = live.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -165,22 +165,26 @@ def _logprobs(name: str, value) -> int | None:
     raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
-def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, *, reject: bool) -> int:
-    """How many tokens a request may generate: vLLM's rule, in one place for the engine and the server.
+class ContextLengthError(ValueError):
+    """A request that does not fit the model's context (vLLM's ``context_length_exceeded``)."""
 
-    A prompt must leave room for one token (else a ValueError naming the prompt); without ``max_tokens`` the
-    request may fill the context. A ``max_tokens`` beyond the context is, as in vLLM, capped by the offline API
+
+def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, *, reject: bool) -> int:
+    """How many tokens a request may generate: vLLM's rule, applied by the engine (``LLMEngine.add_request``).
+
+    A prompt must leave room for one token (else a ContextLengthError naming the prompt); without ``max_tokens``
+    the request may fill the context. A ``max_tokens`` beyond the context is, as in vLLM, capped by the offline API
     (``LLM`` / ``LLMEngine.add_request``: generation ends at ``max_model_len`` with finish reason ``length``) and,
-    with ``reject`` (the OpenAI server), a ValueError naming ``max_tokens`` in vLLM's words.
+    with ``reject`` (the OpenAI server), a ContextLengthError naming ``max_tokens`` in vLLM's words.
     """
     room = max_model_len - prompt_len
     if room < 1:
-        raise ValueError(f"prompt: This model's maximum context length is {max_model_len} tokens; the prompt has "
-                         f"{prompt_len}, which leaves no room to generate")
+        raise ContextLengthError(f"prompt: This model's maximum context length is {max_model_len} tokens; the "
+                                 f"prompt has {prompt_len}, which leaves no room to generate")
     if max_tokens is None:
         return room
     if max_tokens > room and reject:
-        raise ValueError(f"max_tokens: 'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-                         f"model's maximum context length is {max_model_len} tokens and your request has "
-                         f"{prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len})")
+        raise ContextLengthError(f"max_tokens: 'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                                 f"This model's maximum context length is {max_model_len} tokens and your request "
+                                 f"has {prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len})")
     return min(max_tokens, room)

@@ -1,10 +1,9 @@
 """Fan one engine loop's outputs out to asyncio consumers.
 
 The loop (``engine_core.EngineCore``) runs where its ``core`` says (``core_client``: a thread of this process, or a
-process of its own); the event loop sends it commands (add / abort / stop) and receives its events, each handed
-to the event loop with ``call_soon_threadsafe``. Every HTTP request becomes a `RequestGroup` (its n choices ×
-prompts); a group keeps only the latest cumulative output per choice (the loop's deltas are merged into it), so a
-slow client costs memory O(1) per choice, not per token.
+process of its own); the event loop sends it commands and receives its events (``messages``), each handed to the
+event loop with ``call_soon_threadsafe``. Every HTTP request becomes a `request_group.RequestGroup` (its n choices
+× prompts), which the engine validates and queues all or none.
 """
 
 import asyncio
@@ -12,8 +11,9 @@ import itertools
 import logging
 
 from zipage_jax.engine.core_client import ThreadCore
-from zipage_jax.engine.engine_core import merge
-from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from zipage_jax.engine.messages import (Abort, Added, AddRequests, Event, Exited, Failed, Metrics, NewRequest, Outputs,
+                                        Ready, Refused, Startup, Stop, Stopped)
+from zipage_jax.engine.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
 
@@ -23,75 +23,15 @@ class QueueFullError(Exception):
 
 
 class EngineUnavailableError(Exception):
-    """The engine is shutting down or its loop thread is gone."""
+    """The engine is shutting down or its loop is gone."""
 
 
-class EngineStepError(Exception):
-    """An exception inside `engine.step()` failed this request (the loop itself keeps running)."""
+class RequestRefused(Exception):
+    """The engine refused a request's input; ``refused`` (``messages.Refused``) says which field and why."""
 
-
-class RequestGroup:
-    """The choices of one HTTP request, as seen from the event loop."""
-
-    def __init__(self, owner: "AsyncEngine", request_ids: list[str]):
-        self.request_ids = request_ids
-        self._owner = owner
-        self._latest: dict[int, object] = {}  # choice index -> newest RequestOutput not yet consumed
-        self._finished: set[int] = set()
-        self._error: str | None = None
-        self._event = asyncio.Event()
-        self._closed = False
-
-    @property
-    def done(self) -> bool:
-        return len(self._finished) == len(self.request_ids)
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-
-    def _post(self, index: int, output):
-        if self._closed:
-            return
-        self._latest[index] = output
-        if output.finished:
-            self._finished.add(index)
-        self._event.set()
-
-    def _fail(self, message: str):
-        if not self._closed:
-            self._error = message
-            self._event.set()
-
-    async def updates(self):
-        """Yield `{choice index: latest RequestOutput}` batches until every choice has finished."""
-        while True:
-            await self._event.wait()
-            self._event.clear()
-            if self._error is not None:
-                raise EngineStepError(self._error)
-            batch, self._latest = self._latest, {}
-            if batch:
-                yield batch
-            if self.done:
-                return
-
-    async def results(self) -> list:
-        """Wait for every choice; the final RequestOutput of each, in choice order."""
-        final = {}
-        async for batch in self.updates():
-            final.update(batch)
-        return [final[i] for i in range(len(self.request_ids))]
-
-    def close(self):
-        """Abort what is still running and give the capacity back; safe to call more than once."""
-        if self._closed:
-            return
-        self._closed = True
-        unfinished = [rid for i, rid in enumerate(self.request_ids) if i not in self._finished]
-        if unfinished:
-            self._owner._abort(unfinished)
-        self._owner._release(len(self.request_ids))
+    def __init__(self, refused: Refused):
+        super().__init__(refused.message)
+        self.refused = refused
 
 
 class AsyncEngine:
@@ -105,13 +45,13 @@ class AsyncEngine:
         self.core = engine if hasattr(engine, "send") else ThreadCore(engine, warmup, ready_early)
         self.ready = not warmup
         self.startup = "waiting for the engine loop" if warmup else "ready"  # what start-up is doing now
-        self.capacity = self.core.config.max_num_seqs + max_queued_requests
+        self.capacity = self.core.info.config.max_num_seqs + max_queued_requests
         self.in_flight = 0  # admitted choices not yet closed
         self.client_aborts = 0
         self.rejected = 0
         self.step_failures = 0
         self.metrics: dict = {}  # the loop's latest engine.metrics()
-        self._routes: dict[str, tuple[RequestGroup, int, RequestOutput]] = {}
+        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # request id -> its group, its choice index
         self._adding: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,10 +66,10 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.core.alive and not self._stopping and not self._exited
 
-    async def submit(self, requests: list[tuple]) -> RequestGroup:
-        """Add `(request_id, prompt_token_ids, SamplingParams)` requests as one group, all or none.
+    async def submit(self, requests: list[NewRequest]) -> RequestGroup:
+        """Queue ``requests`` as one group, all or none; the group's ``accepted`` says what the engine queued.
 
-        Raises QueueFullError, EngineUnavailableError, or the engine's ValueError for bad input.
+        Raises QueueFullError, EngineUnavailableError, or RequestRefused for input the engine refuses.
         """
         if not self.alive:
             raise EngineUnavailableError("the server is shutting down")
@@ -140,15 +80,14 @@ class AsyncEngine:
             raise QueueFullError(f"the request queue is full ({self.in_flight} of {self.capacity} slots in use); "
                                  "retry later")
         self.in_flight += len(requests)
-        group = RequestGroup(self, [r[0] for r in requests])
-        for index, (request_id, prompt, _) in enumerate(requests):
-            output = RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [], None, None)], False)
-            self._routes[request_id] = (group, index, output)
+        group = RequestGroup([r.request_id for r in requests], self._close)
+        for index, request in enumerate(requests):
+            self._routes[request.request_id] = (group, index)
         token = next(self._tokens)
         added = self._adding[token] = self._loop.create_future()
-        self.core.send(("add", token, requests))
+        self.core.send(AddRequests(token, requests))
         try:
-            await added
+            group.accepted = await added
         except BaseException:
             for request_id in group.request_ids:
                 self._routes.pop(request_id, None)
@@ -162,62 +101,64 @@ class AsyncEngine:
     async def stop(self, timeout: float = 30.0):
         """Abort everything still running, retire it in the engine and wait for the loop to end."""
         self._stopping = True
-        self.core.send(("stop",))
+        self.core.send(Stop())
         await asyncio.to_thread(self.core.join, timeout)
 
-    def _abort(self, request_ids: list[str]):
-        for request_id in request_ids:
-            self._routes.pop(request_id, None)
-        self.core.send(("abort", request_ids))
-
-    def _release(self, count: int):
-        self.in_flight -= count
+    def _close(self, unfinished: list[str], num_choices: int):
+        if unfinished:
+            for request_id in unfinished:
+                self._routes.pop(request_id, None)
+            self.core.send(Abort(unfinished))
+        self.in_flight -= num_choices
 
     # -- events (on the event loop) --------------------------------------------------------------------------
-    def _on_event(self, event):
-        kind = event[0]
-        if kind == "outputs":
-            for delta in event[1]:
-                route = self._routes.get(delta.request_id)
-                if route is None:
-                    continue  # closed by its client meanwhile
-                group, index, output = route
-                merge(output, delta)
-                if delta.finished:
-                    del self._routes[delta.request_id]
-                group._post(index, output)
-        elif kind == "added":
-            future = self._adding.pop(event[1])
-            if not future.done():
-                if event[2] is None:
-                    future.set_result(None)
-                else:
-                    is_value_error, message = event[2]
-                    future.set_exception((ValueError if is_value_error else RuntimeError)(message))
-        elif kind == "metrics":
-            self.metrics = event[1]
-        elif kind == "startup":
-            self.startup = event[1]
-        elif kind == "ready":
-            self.startup, self.ready = "ready", True
-        elif kind == "failed":
-            _, request_ids, message, step_failure = event
-            self.step_failures += step_failure
-            self._fail(request_ids, message)
-        elif kind == "exited":  # the engine process ended without being asked to
-            self._exited = True
-            if not self._stopping:
-                log.error("the engine process exited; failing %d in-flight request(s)", len(self._routes))
-            for future in self._adding.values():
-                if not future.done():
-                    future.set_exception(EngineUnavailableError("the engine process exited"))
-            self._fail(list(self._routes), "the engine process exited")
+    def _on_event(self, event: Event):
+        match event:
+            case Outputs(deltas):
+                for delta in deltas:
+                    route = self._routes.get(delta.request_id)
+                    if route is None:
+                        continue  # closed by its client meanwhile
+                    if delta.finished:
+                        del self._routes[delta.request_id]
+                    group, index = route
+                    group.apply(index, delta)
+            case Added(token, accepted):
+                self._answer(token, lambda future: future.set_result(accepted))
+            case Refused(token, message, bad_input=bad_input):
+                error = RequestRefused(event) if bad_input else RuntimeError(message)
+                self._answer(token, lambda future: future.set_exception(error))
+            case Metrics(values):
+                self.metrics = values
+            case Startup(detail):
+                self.startup = detail
+            case Ready():
+                self.startup, self.ready = "ready", True
+            case Failed(request_ids, message, step_failure):
+                self.step_failures += step_failure
+                self._fail(request_ids, message)
+            case Exited():  # the engine process ended without being asked to
+                self._exited = True
+                if not self._stopping:
+                    log.error("the engine process exited; failing %d in-flight request(s)", len(self._routes))
+                for future in self._adding.values():
+                    if not future.done():
+                        future.set_exception(EngineUnavailableError("the engine process exited"))
+                self._fail(list(self._routes), "the engine process exited")
+            case Stopped():
+                pass
+
+    def _answer(self, token: int, settle):
+        future = self._adding.pop(token)
+        if not future.done():  # its client went away meanwhile
+            settle(future)
 
     def _fail(self, request_ids, message: str):
         groups = {}
         for request_id in request_ids:
             route = self._routes.pop(request_id, None)
             if route is not None:
-                groups[id(route[0])] = route[0]
+                group, _ = route
+                groups[id(group)] = group
         for group in groups.values():
-            group._fail(message)
+            group.fail(message)

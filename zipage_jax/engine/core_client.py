@@ -2,9 +2,9 @@
 process (``ThreadCore``: an `LLMEngine` built here, as tests and notebooks hold one) or a process of its own
 (``ProcessCore``, what ``python -m zipage_jax.serve`` starts: the loop and the HTTP server then each have a GIL).
 
-Both offer ``start(on_event)`` (``on_event`` is called on a background thread, once per event), ``send(command)``,
-``join(timeout)``, ``alive``, and what the HTTP layer reads of an engine: ``tokenizer``, ``model_name``,
-``max_model_len`` and ``config``.
+Both offer ``start(on_event)`` (``on_event`` is called on a background thread, once per ``messages`` event),
+``send(command)``, ``join(timeout)``, ``alive``, and what the HTTP layer reads of an engine: ``info``
+(``messages.EngineInfo``) and ``tokenizer``.
 """
 
 import concurrent.futures
@@ -18,6 +18,7 @@ import sys
 import threading
 
 from zipage_jax.engine.engine_core import EngineCore
+from zipage_jax.engine.messages import Built, Command, EngineInfo, Exited, LaunchError, Stop
 from zipage_jax.engine.tokenizer_store import load_serving_tokenizer
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ class ThreadCore:
 
     def __init__(self, engine, warmup: bool = False, ready_early: bool = False):
         self.engine, self.warmup, self.ready_early = engine, warmup, ready_early
-        self.tokenizer, self.model_name, self.config = engine.get_tokenizer(), engine.model_name, engine.config
-        self.max_model_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
+        self.info = engine_info(engine)
+        self.tokenizer = engine.get_tokenizer()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop_warmup = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
@@ -41,8 +42,8 @@ class ThreadCore:
         self._thread = threading.Thread(target=core.run, name=LOOP_THREAD, daemon=True)
         self._thread.start()
 
-    def send(self, command):
-        if command[0] == "stop" and not self._stop_warmup.done():
+    def send(self, command: Command):
+        if isinstance(command, Stop) and not self._stop_warmup.done():
             self._stop_warmup.set_result(None)
         self._commands.put(command)
 
@@ -60,12 +61,12 @@ class ProcessCore:
     backend starts there and only there). ``launch`` returns once the engine is built, or raises what building
     it raised (``ValueError`` for what only the model and the device tell: the memory plan, the context)."""
 
-    def __init__(self, process, commands, events, info: dict):
+    def __init__(self, process, commands, events, info: EngineInfo):
         self._process, self._commands_conn, self._events_conn = process, commands, events
-        self.model_name, self.max_model_len, self.config = info["model_name"], info["max_model_len"], info["config"]
+        self.info = info
         self.tokenizer = None
-        if info["tokenizer_path"] is not None:  # the engine's process stored its tokenizer's pipeline, if it could
-            self.tokenizer = load_serving_tokenizer(info["tokenizer_path"], self.config.compilation_cache_dir)
+        if info.tokenizer_path is not None:  # the engine's process stored its tokenizer's pipeline, if it could
+            self.tokenizer = load_serving_tokenizer(info.tokenizer_path, info.config.compilation_cache_dir)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
@@ -88,11 +89,12 @@ class ProcessCore:
         except EOFError:
             process.join(5)
             raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
-        if message[0] == "error":
-            process.join(5)
-            is_value_error, text = message[1]
-            raise (ValueError if is_value_error else RuntimeError)(text)
-        return cls(process, commands_write, events_read, message[1])
+        match message:
+            case Built(info):
+                return cls(process, commands_write, events_read, info)
+            case LaunchError(text, bad_input):
+                process.join(5)
+                raise (ValueError if bad_input else RuntimeError)(text)
 
     def start(self, on_event):
         def receive():
@@ -100,7 +102,7 @@ class ProcessCore:
                 try:
                     event = self._events_conn.recv()
                 except (EOFError, OSError):
-                    on_event(("exited",))
+                    on_event(Exited())
                     return
                 on_event(event)
 
@@ -111,7 +113,7 @@ class ProcessCore:
                     self._commands_conn.send(command)
                 except (BrokenPipeError, OSError):
                     return
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     return
 
         self._threads = [threading.Thread(target=receive, name="engine-events", daemon=True),
@@ -119,7 +121,7 @@ class ProcessCore:
         for thread in self._threads:
             thread.start()
 
-    def send(self, command):
+    def send(self, command: Command):
         self._outbox.put(command)
 
     @property
@@ -149,11 +151,10 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
     try:
         engine = LLMEngine.from_kwargs(model, **options)
     except Exception as error:
-        events.send(("error", (isinstance(error, ValueError), str(error) if isinstance(error, ValueError)
-                               else f"{type(error).__name__}: {error}")))
+        bad_input = isinstance(error, ValueError)
+        events.send(LaunchError(str(error) if bad_input else f"{type(error).__name__}: {error}", bad_input))
         return
-    events.send(("built", dict(model_name=engine.model_name, max_model_len=engine.max_model_len,
-                               config=engine.config, tokenizer_path=engine.tokenizer_path)))
+    events.send(Built(engine_info(engine)))
     queued: queue.SimpleQueue = queue.SimpleQueue()
     stop_warmup = concurrent.futures.Future()
 
@@ -162,11 +163,11 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
             try:
                 command = commands.recv()
             except (EOFError, OSError):
-                command = ("stop",)
-            if command[0] == "stop" and not stop_warmup.done():
+                command = Stop()
+            if isinstance(command, Stop) and not stop_warmup.done():
                 stop_warmup.set_result(None)
             queued.put(command)
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 return
 
     threading.Thread(target=receive, name="engine-commands", daemon=True).start()
@@ -179,6 +180,10 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
 
     EngineCore(engine, emit, queued, stop_warmup, warmup, ready_early).run()
     exit_if_compiling(engine)
+
+
+def engine_info(engine) -> EngineInfo:
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.config, engine.tokenizer_path)
 
 
 def exit_if_compiling(engine):

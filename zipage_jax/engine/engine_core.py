@@ -2,22 +2,22 @@
 
 It runs on a thread of the server's process (``core_client.ThreadCore``) or alone in a process of its own
 (``core_client.ProcessCore``, the server's default: HTTP, JSON and SSE then do not share a GIL with the loop that
-keeps the device fed). Either way the events are small and picklable: each step's outputs travel as
-``OutputDelta``s (the tokens, text and logprobs new since the request's last delta), O(new tokens) per request
-and step instead of the cumulative O(length).
-
-Commands: ``("add", token, [(request_id, prompt, SamplingParams), ...])``, ``("abort", [request_id, ...])``,
-``("stop",)``. Events: ``("startup", what)``, ``("ready",)``, ``("added", token, error)`` (error: None or
-``(is_value_error, message)``), ``("outputs", [OutputDelta, ...])``, ``("failed", [request_id, ...], message,
-step_failure)``, ``("metrics", engine.metrics())``, ``("stopped",)``.
+keeps the device fed). Either way it speaks in ``messages``: each step's outputs travel as ``OutputDelta``s (the
+tokens, text and logprobs new since the request's last delta), O(new tokens) per request and step instead of the
+cumulative O(length). Requests are validated here, by ``LLMEngine.add_request`` with the server's length rule, and
+nowhere else: the server learns what was queued (``Added``) or why not (``Refused``).
 """
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+
+from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Command, Event, Failed, Metrics,
+                                        OutputDelta, Outputs, Ready, Refused, Startup, Stop, Stopped)
 
 log = logging.getLogger(__name__)
 
@@ -26,51 +26,37 @@ METRICS_INTERVAL_S = 0.25  # metrics are refreshed at most this often while busy
 MAX_SHUTDOWN_STEPS = 10_000  # steps allowed to retire aborted requests when stopping
 
 
-class OutputDelta(NamedTuple):
-    """What one step added to a request's output. The text and token lists are replaced from ``text_start`` /
-    ``token_start`` on (a stop string found late truncates text already reported)."""
-
-    request_id: str
-    token_start: int
-    token_ids: list
-    text_start: int
-    text: str
-    logprobs: list | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    finished: bool
-    metrics: dict | None  # with the last delta only
-    prompt_logprobs: list | None  # whole, while the request asks for them
-
-
 class EngineCore:
     """Steps ``engine`` while it has work; between steps runs the commands queued since."""
 
-    def __init__(self, engine, emit, commands: queue.SimpleQueue, stop_warmup: concurrent.futures.Future,
-                 warmup: bool, ready_early: bool = False):
+    def __init__(self, engine, emit: Callable[[Event], None], commands: queue.SimpleQueue,
+                 stop_warmup: concurrent.futures.Future, warmup: bool, ready_early: bool = False):
         self.engine = engine
         self.emit = emit  # called from the loop's thread only
         self.commands = commands
         self.stop_warmup = stop_warmup  # done on shutdown: a warm-up still compiling ends at once
         self.warmup = warmup
         self.ready_early = ready_early  # ready once a light load's programs are; the rest compile in the background
-        self._sent: dict[str, list[int]] = {}  # request id -> [tokens, characters] reported so far
+        self._sent: dict[str, Reported] = {}  # the requests in flight
         self._metrics_at = 0.0
 
     def run(self):
-        self.emit(("metrics", self.engine.metrics()))
+        self.emit(Metrics(self.engine.metrics()))
         if self.warmup:
             self._warm_up()
         while True:
             try:
                 busy = self.engine.has_unfinished_requests()
                 for command in self._drain(block=not busy, timeout=self._idle_refresh_s()):
-                    if command[0] == "stop":
-                        self._shutdown()
-                        self.emit(("stopped",))
-                        return
-                    self._execute(command)
+                    match command:
+                        case AddRequests():
+                            self._add(command)
+                        case Abort(request_ids):
+                            self._abort(request_ids)
+                        case Stop():
+                            self._shutdown()
+                            self.emit(Stopped())
+                            return
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish_metrics()
@@ -86,9 +72,9 @@ class EngineCore:
 
         def progress(done, total, name, seconds):
             if threading.current_thread() is loop_thread:  # not the background compiles: ``emit`` is this thread's
-                self.emit(("startup", f"compiled {done}/{total} programs, last: {name}"))
+                self.emit(Startup(f"compiled {done}/{total} programs, last: {name}"))
 
-        self.emit(("startup", "compiling programs"))
+        self.emit(Startup("compiling programs"))
         try:
             self.engine.warmup(progress, stop=self.stop_warmup, ready_early=self.ready_early)
         except Exception as error:
@@ -96,8 +82,8 @@ class EngineCore:
                 log.info("warm-up stopped for the shutdown (%s)", error)
                 return
             log.exception("warm-up failed; programs compile on first use")  # serving beats refusing to start
-        self.emit(("metrics", self.engine.metrics()))  # what is ready now, before requests come
-        self.emit(("ready",))
+        self.emit(Metrics(self.engine.metrics()))  # what is ready now, before requests come
+        self.emit(Ready())
 
     def _publish_metrics(self):
         """At most every ``METRICS_INTERVAL_S`` while busy (it sums the rate window between the steps that keep
@@ -106,14 +92,14 @@ class EngineCore:
         if self.engine.has_unfinished_requests() and now - self._metrics_at < METRICS_INTERVAL_S:
             return
         self._metrics_at = now
-        self.emit(("metrics", self.engine.metrics()))
+        self.emit(Metrics(self.engine.metrics()))
 
     def _idle_refresh_s(self) -> float | None:
         """While programs compile in the background an idle loop still refreshes the metrics (``/health`` reports
         when they are done); otherwise it sleeps until a command comes."""
         return METRICS_INTERVAL_S if self.engine.compiling_in_background else None
 
-    def _drain(self, block: bool, timeout: float | None = None) -> list:
+    def _drain(self, block: bool, timeout: float | None = None) -> list[Command]:
         commands = []
         if block:
             try:
@@ -126,28 +112,26 @@ class EngineCore:
             except queue.Empty:
                 return commands
 
-    def _execute(self, command):
-        if command[0] == "add":
-            self._add(command[1], command[2])
-        else:
-            for request_id in command[1]:
-                if self._sent.pop(request_id, None) is not None:
-                    self.engine.abort_request(request_id)
-
-    def _add(self, token, requests):
-        done = []
-        try:
-            for request_id, prompt, params in requests:
-                self.engine.add_request(request_id, prompt, params)
-                done.append(request_id)
-                self._sent[request_id] = [0, 0]
-        except Exception as exc:
-            for request_id in done:
-                self._sent.pop(request_id, None)
+    def _abort(self, request_ids):
+        for request_id in request_ids:
+            if self._sent.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
-            self.emit(("added", token, (isinstance(exc, ValueError), str(exc))))
+
+    def _add(self, command: AddRequests):
+        """Queue the command's requests, all or none; the engine checks each (the server's rule: a ``max_tokens``
+        beyond the context is refused, not capped)."""
+        accepted = []
+        try:
+            for new in command.requests:
+                self.engine.add_request(new.request_id, new.prompt_token_ids, new.params, reject_over_length=True)
+                self._sent[new.request_id] = Reported()
+                kept = self.engine.requests[new.request_id].prompt_token_ids
+                accepted.append(Accepted(len(kept), list(kept) if len(kept) != len(new.prompt_token_ids) else None))
+        except Exception as error:
+            self._abort([new.request_id for new in command.requests[:len(accepted)]])
+            self.emit(Refused.of(command.token, error))
         else:
-            self.emit(("added", token, None))
+            self.emit(Added(command.token, accepted))
 
     def _step(self):
         try:
@@ -160,14 +144,14 @@ class EngineCore:
             return
         deltas = []
         for output in outputs:
-            sent = self._sent.get(output.request_id)
-            if sent is None:
+            reported = self._sent.get(output.request_id)
+            if reported is None:
                 continue  # aborted by its client, or from a failed add
-            deltas.append(_delta(output, sent))
+            deltas.append(output_delta(output, reported))
             if output.finished:
                 del self._sent[output.request_id]
         if deltas:
-            self.emit(("outputs", deltas))
+            self.emit(Outputs(deltas))
 
     def _fail_all(self, message: str, step_failure: bool = False):
         request_ids, self._sent = list(self._sent), {}
@@ -177,7 +161,7 @@ class EngineCore:
             except Exception:
                 log.exception("abort_request(%r) failed", request_id)
         if request_ids or step_failure:
-            self.emit(("failed", request_ids, message, step_failure))
+            self.emit(Failed(request_ids, message, step_failure))
 
     def _shutdown(self):
         """Retire every request (its pages go back to the pool) before the loop ends."""
@@ -188,35 +172,26 @@ class EngineCore:
                 break
             self.engine.step()
         self._fail_all("the server is shutting down")
-        self.emit(("metrics", self.engine.metrics()))
+        self.emit(Metrics(self.engine.metrics()))
 
 
-def _delta(output, sent: list[int]) -> OutputDelta:
-    """The part of ``output`` (cumulative) not reported yet; advances ``sent``."""
+@dataclasses.dataclass
+class Reported:
+    """How much of one request's output the server has."""
+
+    tokens: int = 0
+    chars: int = 0
+    prompt_logprobs: bool = False  # all of them (they are complete once the prompt is computed)
+
+
+def output_delta(output, reported: Reported) -> OutputDelta:
+    """The part of ``output`` (cumulative) not reported yet; advances ``reported``."""
     c = output.outputs[0]
-    token_start, text_start = min(sent[0], len(c.token_ids)), min(sent[1], len(c.text))
-    sent[0], sent[1] = len(c.token_ids), len(c.text)
+    token_start, text_start = min(reported.tokens, len(c.token_ids)), min(reported.chars, len(c.text))
+    reported.tokens, reported.chars = len(c.token_ids), len(c.text)
+    prompt_logprobs = None if reported.prompt_logprobs else output.prompt_logprobs
+    if prompt_logprobs is not None:
+        reported.prompt_logprobs = None not in prompt_logprobs[1:]  # the first has none: nothing predicts it
     return OutputDelta(output.request_id, token_start, c.token_ids[token_start:], text_start, c.text[text_start:],
-                       None if c.logprobs is None else c.logprobs[token_start:], c.cumulative_logprob,
-                       c.finish_reason, c.stop_reason, output.finished, output.metrics if output.finished else None,
-                       output.prompt_logprobs)
-
-
-def merge(output, delta: OutputDelta):
-    """Apply ``delta`` to ``output`` (a cumulative ``RequestOutput``, updated in place)."""
-    c = output.outputs[0]
-    del c.token_ids[delta.token_start:]
-    c.token_ids.extend(delta.token_ids)
-    c.text = c.text + delta.text if delta.text_start == len(c.text) else c.text[:delta.text_start] + delta.text
-    if delta.logprobs is not None:
-        if c.logprobs is None:
-            c.logprobs = []
-        del c.logprobs[delta.token_start:]
-        c.logprobs.extend(delta.logprobs)
-    c.cumulative_logprob, c.finish_reason, c.stop_reason = delta.cumulative_logprob, delta.finish_reason, \
-        delta.stop_reason
-    output.finished = delta.finished
-    if delta.metrics is not None:
-        output.metrics = delta.metrics
-    if delta.prompt_logprobs is not None:
-        output.prompt_logprobs = delta.prompt_logprobs
+                       None if c.logprobs is None else c.logprobs[token_start:], c.finish_reason, c.stop_reason,
+                       prompt_logprobs)

@@ -137,7 +137,7 @@ class _GenerationRequest(_Open):
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
                  "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                 "kv_budget_pages")
+                 "truncate_prompt_tokens", "kv_budget_pages")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def check(self) -> list[str]:
