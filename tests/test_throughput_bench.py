@@ -306,7 +306,7 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         assert r["complete"] and r["generated_tokens"] == r["workload_output_tokens"]
         # the yardstick: the engine's own decode step at the window's mean shape, after the window
         cap = w["decode_capacity"]
-        assert cap["rows"] == round(w["running_mean"]) and 1 <= cap["ctx"] <= round(cap["kv_tokens"])
+        assert 1 <= cap["rows"] <= round(w["running_mean"]) and 1 <= cap["ctx"] <= round(cap["kv_tokens"])
         assert cap["tokens_per_s"] > 0 and w["capacity_efficiency"] == w["tokens_per_s"] / cap["tokens_per_s"]
         split = w["time_split"]
         in_steps = sum(k["seconds"] for k in split["kinds"].values())
@@ -370,3 +370,26 @@ def test_steadiness_and_the_time_split_of_a_window():
     assert mixed["prefill_tokens_mean"] == 100 and other["share"] == pytest.approx(0.05)
     assert split["per_decode_step_ms"] == pytest.approx(2000 / 3)
     assert split["stalled_request_steps"] == 3 and split["stalled_per_decode_step"] == pytest.approx(1.0)
+
+
+def test_the_capacity_probe_holds_no_more_rows_than_the_pool_fits(programs):
+    """Full KV's window holds more rows than fit at once (it preempts): the probe measures as many rows of the
+    window's context as the pool holds together, and says so."""
+    import dataclasses
+
+    import jax
+
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+    from zipage_jax.benchmarks.probes import HoldingScheduler
+    from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.models import weights
+
+    shape = MODEL_SHAPES["tiny"]
+    config = EngineConfig.from_kwargs("random:tiny", page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_model_len=256, num_gpu_pages_override=40, compilation_cache_dir=programs)
+    params = weights.init_random_params(shape, jax.random.key(0), jax.numpy.float32)
+    engine = LLMEngine(dataclasses.replace(config, dtype="float32"), shape, params, scheduler_cls=HoldingScheduler)
+    cap = closed_loop.decode_capacity(engine, rows=8, kv_tokens=150.4, steps=2)
+    # 150 + 3 warm-up + 2 timed + 2 tokens of each row: 10 pages; the pool's 39 hold 3 rows
+    assert (cap["rows"], cap["ctx"]) == (3, 150) and cap["tokens_per_s"] > 0
+    assert not engine.has_unfinished_requests()

@@ -42,7 +42,8 @@ def resident_capacity(engine, workload: Workload) -> int:
 def decode_capacity(engine, rows: int, kv_tokens: float, steps: int, seed: int = 0) -> dict:
     """The engine's own decode step at ``rows`` rows of ``kv_tokens`` each (a window's mean shape), through the
     step loop and alone (``decode_steps``), after everything in flight is aborted. A compressed engine's probe stays
-    short of its first compression (its prompts are capped there: ``ctx`` says what was measured)."""
+    short of its first compression (its prompts are capped there), and the rows are as many as the pool holds at
+    once at that length (full KV's window preempts to hold more): ``rows`` and ``ctx`` say what was measured."""
     from zipage_jax.benchmarks.decode_steps import time_decode_steps
     from zipage_jax.benchmarks.probes import DecodeReplay
 
@@ -55,6 +56,9 @@ def decode_capacity(engine, rows: int, kv_tokens: float, steps: int, seed: int =
     if config.compression:
         ctx = min(ctx, (config.kv_budget_pages + 1) * config.page_size - config.scoring.window - warmup_steps - steps - 2)
     ctx = min(ctx, engine.max_model_len - warmup_steps - steps - 2)
+    # every row holds its pages at once (held until all are prefilled): as many rows as the pool holds so
+    pages_per_row = -(-(ctx + warmup_steps + steps + 2) // config.page_size)
+    rows = max(1, min(rows, (engine.num_pages - 1) // pages_per_row))
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, engine.model_cfg.vocab_size, size=ctx).tolist() for _ in range(rows)]
     timing, _ = time_decode_steps(engine, DecodeReplay.of(engine), prompts, steps, warmup_steps, tag="capacity")
@@ -211,9 +215,15 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                                                                            steady["end_s"]))
     stats, metrics, complete = engine.stats(), engine.metrics(), not engine.has_unfinished_requests() and not queue
     if steady and capacity_steps and round(steady["running_mean"]) >= 1:  # after the run's own figures are taken
-        capacity = decode_capacity(engine, round(steady["running_mean"]), steady["kv_tokens_per_running_mean"],
-                                   capacity_steps, engine.config.seed)
-        steady.update(decode_capacity=capacity, capacity_efficiency=steady["tokens_per_s"] / capacity["tokens_per_s"])
+        try:
+            capacity = decode_capacity(engine, round(steady["running_mean"]), steady["kv_tokens_per_running_mean"],
+                                       capacity_steps, engine.config.seed)
+        except Exception as error:  # the yardstick failing must not cost the run's own figures
+            progress(f"{mode}: decode capacity not measured: {type(error).__name__}: {error}")
+            steady.update(decode_capacity=None, capacity_efficiency=None)
+        else:
+            steady.update(decode_capacity=capacity,
+                          capacity_efficiency=steady["tokens_per_s"] / capacity["tokens_per_s"])
     compile_after = stats.worker.compile_s - compile_wall
     steady_wall = max(wall - compile_after, 1e-9)
     half = next((s for s in samples if s["time_s"] >= wall / 2), samples[-1])

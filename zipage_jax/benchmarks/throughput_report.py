@@ -50,6 +50,8 @@ def format_yardstick(r: dict) -> str:
              f"{_pct(st['pages_per_running_drift_per_min'])} a minute, rate over the second half varies "
              + ("n/a" if cv is None else f"{cv:.0%}") + " (CV)"]
     cap = w.get("decode_capacity")
+    if "decode_capacity" in w and cap is None:
+        lines.append(f"{r['mode']}: decode capacity not measured (see the log)")
     if cap:
         lines.append(f"{r['mode']}: decode capacity at {cap['rows']} rows x {cap['ctx']} tokens (window: "
                      f"{cap['kv_tokens']:.0f}): {cap['tokens_per_s']:.1f} tok/s ({cap['engine_step_ms']:.1f} ms a "
