@@ -112,6 +112,8 @@ class PageManager:
     def allocate(self, request, num_new_tokens: int) -> bool:
         """Give the request the pages its next ``num_new_tokens`` tokens need; all or nothing."""
         need = self.pages_needed(request, num_new_tokens)
+        if need == 0:  # most decode steps: the token fits in the last page
+            return True
         if need > self.num_free_pages:
             return False
         request.page_ids.extend(self._take_free_page() for _ in range(need))
@@ -185,8 +187,9 @@ class PageManager:
 
     def register_full_pages(self, request):
         """Publish the request's newly completed pages (all tokens known and computed) in the prefix cache."""
-        if not self.enable_prefix_caching or request.compressed:
-            return
+        if not self.enable_prefix_caching or request.compressed \
+                or (len(request.page_hashes) + 1) * self.page_size > request.num_computed_tokens:
+            return  # no page completed since the last one published (most tokens)
         known = request.num_tokens - request.num_pending
         full = min(request.num_computed_tokens, known, len(request.page_ids) * self.page_size) // self.page_size
         for i in range(len(request.page_hashes), full):

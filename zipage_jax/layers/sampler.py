@@ -79,33 +79,41 @@ class SamplingTensors:
         ids a row bans when that is more. Fixed and power-of-two widths keep the distinct shapes (compiled
         programs) few. The per-row work is a few numpy conversions, not Python per field: this runs every step.
         """
-        rows = [SamplingRow(*r) for r in rows]
+        rows = rows if isinstance(rows, list) else list(rows)
         vocab_size = check_int("vocab_size", vocab_size, lo=1)
         b = len(rows) if batch_size is None else check_int("batch_size", batch_size, lo=1)
         if b < len(rows):
             raise ValueError(f"batch_size ({b}) must be >= the number of rows ({len(rows)})")
         eos = check_token_ids("eos_token_ids",
                          (eos_token_ids,) if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids)
-        params = [r.params for r in rows]
-        if not all(isinstance(p, SamplingParams) for p in params):
-            bad = next(p for p in params if not isinstance(p, SamplingParams))
-            raise ValueError(f"rows: params must be SamplingParams, got {type(bad).__name__}")
+        # per distinct SamplingParams object, not per row: a batch's rows mostly share a few (hashing a frozen
+        # dataclass of ~20 fields per row would cost more than the rest of the row's work)
+        params = [r[0] for r in rows]
+        distinct = {id(p): p for p in params}
+        for p in distinct.values():
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"rows: params must be SamplingParams, got {type(p).__name__}")
         n = len(rows)
-        seeds = [r.seed for r in rows]
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in seeds):
+        seeds = [r[3] for r in rows]
+        if not all(type(x) is int for x in seeds) and not all(  # noqa: E721 (the fast path; bools fail below)
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in seeds):
             raise ValueError("rows: seed must be an int")
-        steps = np.array([r.step for r in rows], np.int64).reshape(n)
+        steps = np.fromiter((r[4] for r in rows), np.int64, n)
         if steps.size and steps.min() < 0:
             raise ValueError(f"rows: step must be >= 0, got {int(steps.min())}")
 
         with np.errstate(over="ignore"):  # a temperature past float32's range becomes inf: uniform, as intended
-            values = np.array([_filter_values(p, vocab_size) for p in params], np.float32).reshape(n, 7)
+            by_params = {key: _filter_values(p, vocab_size) for key, p in distinct.items()}
+            values = np.array([by_params[id(p)] for p in params], np.float32).reshape(n, 7)
         seed64 = np.array([x % 2**64 for x in seeds], np.uint64)
-        bans = {i: sorted(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos)))
-                for i in np.flatnonzero(steps < np.array([p.min_tokens for p in params], np.int64))}
-        penalized = any(p.uses_penalties for p in params)
-        histories = {i: (list(rows[i].prompt_token_ids) if params[i].repetition_penalty != 1.0 else [],
-                         list(rows[i].output_token_ids)) for i in range(n) if params[i].uses_penalties}
+        bans = {}
+        if any(p.min_tokens for p in distinct.values()):
+            bans = {i: sorted(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos)))
+                    for i in np.flatnonzero(steps < np.array([p.min_tokens for p in params], np.int64))}
+        penalized = any(p.uses_penalties for p in distinct.values())
+        histories = {} if not penalized else {
+            i: (list(rows[i][1]) if params[i].repetition_penalty != 1.0 else [], list(rows[i][2]))
+            for i in range(n) if params[i].uses_penalties}
         longest = max((len(a) + len(o) for a, o in histories.values()), default=0)
         w = max(MIN_HISTORY_WIDTH, _next_pow2(longest)) if penalized else 1
         if history_width is not None:
@@ -133,7 +141,7 @@ class SamplingTensors:
             t.history_is_output[i, len(prompt):len(prompt) + len(out)] = True
         for i, ban in bans.items():
             t.banned_token_ids[i, :len(ban)] = ban
-        return t.replace(penalized=penalized, sampled=not all(p.greedy for p in params))
+        return t.replace(penalized=penalized, sampled=not all(p.greedy for p in distinct.values()))
 
 
 @functools.lru_cache(maxsize=4096)
