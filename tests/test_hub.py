@@ -58,7 +58,7 @@ def test_a_cached_hub_snapshot_serves_offline_under_its_hub_id(unreachable_hub):
     assert Path(engine.model_path) == snapshot and engine.model_name == HUB_ID  # the id clients send, as vLLM
     local = LLMEngine.from_kwargs(str(FIXTURE), **SMALL)
     assert local.model_name == FIXTURE.name
-    assert np.array_equal(np.asarray(engine.params.embed), np.asarray(local.params.embed))
+    assert np.array_equal(np.asarray(engine.worker.params.embed), np.asarray(local.worker.params.embed))
 
 
 def test_an_online_hub_id_downloads_what_the_engine_reads(unreachable_hub, monkeypatch):
