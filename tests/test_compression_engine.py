@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params, mixed_workload, warmup_programs
+from helpers import checkpoint_params, dense_logits, mixed_workload, warmup_programs
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.models import forward_dense
 from zipage_jax.worker.programs import Programs
 from seeds import fresh_seed, seeded_rng
 
@@ -53,7 +52,8 @@ def masked_greedy_predictions(llm, prompt, output, budget, sinks):
     engine = llm.engine
     ids = list(prompt) + list(output)
     mask = window_policy_mask(len(ids), len(prompt), budget, sinks)
-    logits = forward_dense(checkpoint_params(engine), engine.model_cfg, jnp.asarray([ids], jnp.int32), attention_mask=mask)
+    logits = dense_logits(checkpoint_params(engine), engine.model_cfg, jnp.asarray([ids], jnp.int32),
+                          attention_mask=mask)
     return jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1).tolist()
 
 
