@@ -8,6 +8,7 @@ import numpy as np
 
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.models.rope import rope_cos_sin
+from zipage_jax.models import forward_dense
 from zipage_jax.models.transformer import _qkv, rms_norm
 from zipage_jax.models.weights import load_hf_weights
 
@@ -21,6 +22,19 @@ def checkpoint_params(engine):
     """The layer-stacked weights of the engine's checkpoint, loaded on their own for the dense oracle (the engine
     itself holds the serving layout)."""
     return _checkpoint_params(engine.config.model, engine.model_cfg, engine.memory_plan.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def dense_logits(params, cfg, tokens, attention_mask=None):
+    """``forward_dense``, compiled once per shape: run op by op, one forward compiles dozens of small programs."""
+    return forward_dense(params, cfg, tokens, attention_mask=attention_mask)
+
+
+def padded_dense_logits(params, cfg, rows):
+    """The dense logits of token rows of several lengths in one batch, each padded to the longest (causal: the
+    padding after a row never reaches its own positions); row i's logits are ``out[i, :len(rows[i])]``."""
+    width = max(map(len, rows))
+    return dense_logits(params, cfg, jnp.asarray([list(r) + [0] * (width - len(r)) for r in rows], jnp.int32))
 
 
 def warmup_programs(worker) -> list:

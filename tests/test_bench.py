@@ -86,37 +86,40 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     assert png.stat().st_size > 0
 
 
-@pytest.mark.parametrize("ready_early", [False, True])
-def test_startup_command_reports_programs_and_no_compiles_after_warmup(tmp_path, ready_early):
-    """Ready early, the light load's programs are ready first (the smallest prefill bucket of three), the workload
-    waits on no compile while the others compile in the background, and ``all_compiled_s`` comes after them."""
+def test_startup_command_cold_then_warm_and_ready_early_reports_programs_and_no_compiles_after_warmup(tmp_path):
+    """Run twice on one store, as the cold and the warm figure are. Cold, every program compiles (and is stored) and
+    the workload compiles nothing after the warm-up. Warm and ready early, the light load's programs are ready first
+    (the smallest prefill bucket of three), loaded, not compiled; the workload waits on no compile while the others
+    load in the background, and ``all_compiled_s`` comes after them."""
     from zipage_jax.config import DEFAULT_MODEL
 
-    out = tmp_path / "startup.jsonl"
+    store = str(tmp_path / "store")
     options = ["--page-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
-               "--compilation-cache-dir", "none"]  # the engine options every CLI generates from EngineConfig
-    report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)]
-                           + ["--ready-early"] * ready_early)
-    assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-                                            max_model_len=512, compilation_cache_dir=None)
-    # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program
-    if ready_early:
-        assert (report["programs"], report["background_programs"]) == (2 * 1 + 1 + 1, 2)
-        assert report["all_compiled_s"] >= report["ready_s"]
-    else:
-        assert report["programs"] == 2 * 1 + 3 + 1 and report["background_programs"] == 0
-    assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
-    assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
-    phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it
-    assert list(phases) == ["config", "backend", "plan_and_pool", "weights", "runner"]
-    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= report["init_s"]
-    assert phases["weights"] == report["weights_s"]
-    # no cache directory, so no stored pipeline: transformers' tokenizer, loaded at the end of the warm-up
-    assert report["tokenizer"] != "StoredTokenizer" and report["tokenizer_wait_s"] > 0
-    # the pool's and the compression state's fills and the weights' conversions compile at every start (their
-    # seconds are summed over the parallel weight loads, so they may exceed LLM()'s wall time)
-    assert report["init_compiles"] >= 2 and report["init_compile_s"] > 0
-    assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]
+               "--compilation-cache-dir", store]  # the engine options every CLI generates from EngineConfig
+    for ready_early in (False, True):
+        out = tmp_path / f"startup-{ready_early}.jsonl"
+        report, _ = bench.main(["startup", "--model", DEFAULT_MODEL, *options, "--workload", "4", "--json", str(out)]
+                               + ["--ready-early"] * ready_early)
+        assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                                max_model_len=512, compilation_cache_dir=store)
+        # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program
+        if ready_early:  # warm: loaded from the store
+            assert (report["programs"], report["background_programs"], report["loaded"]) == (2 * 1 + 1 + 1, 2, 4)
+            assert report["all_compiled_s"] >= report["ready_s"]
+        else:  # cold: compiled
+            assert report["programs"] == 2 * 1 + 3 + 1 and report["background_programs"] == report["loaded"] == 0
+        assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
+        assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
+        phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it
+        assert list(phases) == ["config", "backend", "plan_and_pool", "weights", "runner"]
+        assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= report["init_s"]
+        assert phases["weights"] == report["weights_s"]
+        # the tokenizer's pipeline: built by a child process while the cold start ran, read from the store warm
+        assert report["tokenizer"] == "StoredTokenizer" and report["tokenizer_wait_s"] >= 0
+        # the pool's and the compression state's fills and the weights' conversions compile at every start, warm
+        # too (their seconds are summed over the parallel weight loads, so they may exceed LLM()'s wall time)
+        assert report["init_compiles"] >= 2 and report["init_compile_s"] > 0
+        assert json.loads(out.read_text().splitlines()[-1])["programs"] == report["programs"]
 
 
 def test_ttft_command_chunked_prefill_gives_the_dense_first_token(tmp_path):

@@ -183,10 +183,11 @@ def test_pools_are_updated_in_place():
         assert text.count("custom_call @mosaic_gpu") == 1
         assert "operand_index = 4" in text and "operand_index = 5" in text  # the custom call's k / v operands
         assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" in text
-        memory = fn.lower(k_pool, v_pool, *lead, *args, interpret=INTERPRET).compile().memory_analysis()
+        compiled = fn.lower(k_pool, v_pool, *lead, *args, interpret=INTERPRET).compile()
+        memory = compiled.memory_analysis()
         assert memory.alias_size_in_bytes == 2 * pool_bytes and memory.temp_size_in_bytes < pool_bytes
     pointers = k_pool.unsafe_buffer_pointer(), v_pool.unsafe_buffer_pointer()
-    out = loop(k_pool, v_pool, *args)
+    out = compiled(k_pool, v_pool, *args)  # the loop just analysed (called through the jit, it would compile again)
     assert k_pool.is_deleted() and (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers
 
 

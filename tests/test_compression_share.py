@@ -34,7 +34,7 @@ def test_steady_share_excludes_warmup(monkeypatch, async_compression):
     worker (the host waits for them anyway); either way the steady share leaves the warm-up out."""
     clock = FakeClock()
     monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    llm = LLM("tests/fixtures/hf/qwen3_untied", page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+    llm = LLM("tests/fixtures/hf/qwen3_untied", page_size=16, max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=160, compilation_cache_dir=None, compression=True, kv_budget_pages=2,
               async_compression=async_compression)
     engine = llm.engine

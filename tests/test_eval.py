@@ -230,7 +230,10 @@ def test_cli_on_the_synthetic_split_with_compression(tmp_path, capsys):
     out = tmp_path / "report.json"
     report = main(["--model", MODEL, "--data", "synthetic:test:5", "--limit", "3", "--max-tokens", "40",
                    "--page-size", "16", "--compression", "--kv-budget-pages", "2", "--no-progress",
-                   "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--output", str(out)])
+                   # 18-token prompts + 40 tokens fit 64: a warm-up of few programs (one prefill bucket, two
+                   # compression widths)
+                   "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--max-model-len", "64",
+                   "--output", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     _check_report(report, num_questions=3, samples=1)
     assert [r["question"] for r in report["records"]] == [p.question for p in sample_problems(3, 0, "test")]

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint_params
+from helpers import checkpoint_params, padded_dense_logits
 from seeds import seeded_rng
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.layers.logprobs import BLOCK, token_logprobs, top_k
-from zipage_jax.models import forward_dense
 
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 HF_PROMPT_LOGPROBS = "tests/fixtures/tiny_reasoner_prompt_logprobs.npz"  # scripts/make_hf_fixtures.py
@@ -131,11 +130,12 @@ def test_top_n_logprobs_of_sampled_tokens_match_the_dense_forward(llm, hf, tempe
     prompts, _ = hf
     params = SamplingParams(temperature=temperature, seed=11, max_tokens=12, logprobs=5, ignore_eos=True)
     engine = llm.engine
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = [list(prompt) + out.outputs[0].token_ids for prompt, out in zip(prompts, outs)]
+    all_logits = padded_dense_logits(checkpoint_params(engine), engine.model_cfg, rows)
+    for prompt, out, ids, logits in zip(prompts, outs, rows, all_logits):
         completion = out.outputs[0]
-        ids = list(prompt) + completion.token_ids
-        logits = forward_dense(checkpoint_params(engine), engine.model_cfg, jnp.asarray([ids], jnp.int32))[0]
-        oracle = np_log_softmax(np.asarray(logits, np.float64))[len(prompt) - 1:-1]
+        oracle = np_log_softmax(np.asarray(logits[:len(ids)], np.float64))[len(prompt) - 1:-1]
         assert len(completion.logprobs) == len(completion.token_ids)
         cumulative = 0.0
         for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):

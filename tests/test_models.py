@@ -274,22 +274,31 @@ def test_forward_dense_is_differentiable():
         logits = forward_dense(p, cfg, tokens[:, :-1])
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     # Directional derivatives against central finite differences along unit directions: the gradient's own
     # (where the derivative is its norm) and a random one; errors measured against the gradient norm, since f32
-    # finite differences along a near-orthogonal random direction carry an absolute, not relative, error.
-    grad_norm = float(jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads))))
-    keys = iter(jax.random.split(jax.random.key(seeded_rng().integers(1 << 30)), 64))
-    random_dir = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), params)
-    for direction in (grads, random_dir):
-        norm = jnp.sqrt(sum(jnp.vdot(d, d) for d in jax.tree.leaves(direction)))
-        direction = jax.tree.map(lambda d: d / norm, direction)
-        eps = 1e-2
-        shifted = lambda s: loss(jax.tree.map(lambda x, d: x + s * eps * d, params, direction))  # noqa: E731
-        finite_diff = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
-        analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
-        assert abs(float(finite_diff - analytic)) <= 2e-2 * grad_norm
+    # finite differences along a near-orthogonal random direction carry an absolute, not relative, error. One
+    # compiled program for it all (op by op, each evaluation would compile dozens of small programs).
+    @jax.jit
+    def derivatives(params, key):
+        value, grads = jax.value_and_grad(loss)(params)
+        grad_norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
+        keys = iter(jax.random.split(key, 64))
+        random_dir = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), params)
+        pairs = []
+        for direction in (grads, random_dir):
+            norm = jnp.sqrt(sum(jnp.vdot(d, d) for d in jax.tree.leaves(direction)))
+            direction = jax.tree.map(lambda d: d / norm, direction)
+            shifted = lambda s: loss(jax.tree.map(lambda x, d: x + s * eps * d, params, direction))  # noqa: E731
+            finite_diff = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
+            analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+            pairs.append((finite_diff, analytic))
+        return value, [jnp.abs(g).max() for g in jax.tree.leaves(grads)], grad_norm, pairs
+
+    eps = 1e-2
+    value, grad_max, grad_norm, pairs = derivatives(params, jax.random.key(seeded_rng().integers(1 << 30)))
+    assert all(float(m) > 0 for m in grad_max)
+    for finite_diff, analytic in pairs:
+        assert abs(float(finite_diff - analytic)) <= 2e-2 * float(grad_norm)
     assert np.isfinite(float(value))
 
 

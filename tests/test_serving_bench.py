@@ -82,7 +82,7 @@ def test_closed_loop_streams_and_the_offline_engine_run_the_same_requests(url, t
     assert row["output_tokens_per_s"] * row["wall_s"] == pytest.approx(total)
     assert serving.format_rate(row).startswith("concurrency 3: 7/7 done")
     offline, _ = bench.main(["serving", "--offline", "--model", TINY_MODEL, "--requests", "7", "--concurrency", "3",
-                             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--dtype", "float32",
+                             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--dtype", "float32",
                              "--compilation-cache-dir", "none", *COMMON])
     (run,) = offline["concurrency"]
     assert offline["workload"] == report["workload"]  # the same requests

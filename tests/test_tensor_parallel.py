@@ -12,7 +12,7 @@ from zipage_jax.tasks.export import save_hf_checkpoint
 from zipage_jax.models.weights import init_random_params
 from seeds import fresh_seed, seeded_rng
 
-MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: one kv head per shard
+MODEL = "tests/fixtures/hf/qwen3_untied"  # 8 q / 2 kv heads: 3 shards do not divide them
 FOUR_KV = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                       qk_norm=True, max_position_embeddings=512)
@@ -31,19 +31,9 @@ def random_prompts(vocab):
     return [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(5, 30, size=3)]
 
 
-@pytest.mark.parametrize("compression", [False, True])
-def test_two_way_tensor_parallel_matches_single_device(compression):
-    assert len(jax.devices()) >= 2
-    prompts = random_prompts(250)
-    _, single = greedy_run(MODEL, prompts, 1, compression)
-    engine, sharded = greedy_run(MODEL, prompts, 2, compression)
-    assert len(engine.worker.state.k_pool.sharding.device_set) == 2
-    assert sharded == single
-
-
 @pytest.fixture(scope="module")
 def four_kv_heads(tmp_path_factory):
-    """A random float32 checkpoint with four KV heads: one per shard of a four-way mesh."""
+    """A random float32 checkpoint with four KV heads: two per shard of a two-way mesh, one of a four-way mesh."""
     path = tmp_path_factory.mktemp("four_kv_heads")
     c = FOUR_KV
     arch = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -56,15 +46,18 @@ def four_kv_heads(tmp_path_factory):
 
 
 @pytest.mark.parametrize("compression", [False, True])
-def test_four_way_tensor_parallel_matches_single_device_with_only_the_expected_collectives(four_kv_heads,
-                                                                                          compression):
-    """Four shards give one device's greedy tokens. Their compiled programs hold one all-reduce after attention
-    (``o_proj``) and one after the MLP (``down_proj``) per layer, nothing else: embedding, LM head and sampling
-    are replicated, attention and the KV pool stay on their heads; a compression (per shard) and a swap hold
-    none."""
+def test_two_and_four_way_tensor_parallel_match_single_device_with_only_the_expected_collectives(four_kv_heads,
+                                                                                              compression):
+    """Two shards (two KV heads each) and four (one each) give one device's greedy tokens. The four-way programs
+    hold one all-reduce after attention (``o_proj``) and one after the MLP (``down_proj``) per layer, nothing else:
+    embedding, LM head and sampling are replicated, attention and the KV pool stay on their heads; a compression
+    (per shard) and a swap hold none."""
     assert len(jax.devices()) >= 4
     prompts = random_prompts(FOUR_KV.vocab_size)
     _, single = greedy_run(four_kv_heads, prompts, 1, compression)
+    two_way, two_way_tokens = greedy_run(four_kv_heads, prompts, 2, compression)
+    assert len(two_way.worker.state.k_pool.sharding.device_set) == 2
+    assert two_way_tokens == single
     engine, sharded = greedy_run(four_kv_heads, prompts, 4, compression)
     assert len(engine.worker.state.k_pool.sharding.device_set) == 4
     assert sharded == single
