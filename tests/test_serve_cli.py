@@ -2,6 +2,7 @@
 launch line starts it; a bad option, or a vLLM flag it cannot honour, is one line and status 2 (as in eval); Ctrl-C
 while it starts, SIGINT / SIGTERM while it compiles its programs, end it at once and quietly."""
 
+import asyncio
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ from zipage_jax import cli
 from zipage_jax.config import EngineConfig, engine_kwargs, human_int
 from zipage_jax.entrypoints.api_server import main
 from zipage_jax.entrypoints.cli_args import parse_args
-from zipage_jax.entrypoints.server_logging import QuietProbes
+from zipage_jax.entrypoints.server_logging import QuietProbes, log_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 START_S = 240.0  # bound on a server start (imports, the model, the engine) on a loaded 2-core machine
@@ -128,7 +129,8 @@ def test_a_vllm_launch_line_starts_and_serves(tmp_path):
             "--block-size", "16", "--max-model-len", "0.5k", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
             "--dtype", "float", "--chat-template", str(tmp_path / "template.jinja"), "--generation-config", "vllm",
             "--max-logprobs", "5", "--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill",
-            "--kv-cache-dtype", "auto", "--swap-space", "4", "--disable-log-requests", "--disable-log-stats",
+            "--kv-cache-dtype", "auto", "--swap-space", "4", "--enable-log-requests", "--max-log-len", "3",
+            "--disable-log-stats",
             "--uvicorn-log-level", "info", "--download-dir", str(tmp_path), "--compilation-cache-dir", "none"]
     proc = subprocess.Popen([sys.executable, "-m", "zipage_jax.cli", "serve", *line], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -160,6 +162,7 @@ def test_a_vllm_launch_line_starts_and_serves(tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM) and "Traceback" not in out, out
     assert "--trust-remote-code: no effect" in out and "--enforce-eager: no effect" in out, out
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in out and "GET /health" not in out, out
+    assert "Received request chatcmpl-" in out and "Avg prompt throughput" not in out, out
 
 
 def healthy(url: str) -> bool:
@@ -212,6 +215,7 @@ def test_vllm_spellings_are_the_engines_options():
     assert args.notes == ["--enforce-eager: no effect (the engine runs XLA-compiled programs, there are no CUDA "
                           "graphs to turn off)"]
     assert [human_int(text) for text in ("1k", "1K", "25.6k", "3M", "7")] == [1000, 1024, 25600, 3 * 2**20, 7]
+    assert not parse_args(["--enable-log-requests", "--disable-log-requests"])[1].enable_log_requests
 
 
 def test_the_console_script_is_zipage_jax(capsys):
@@ -236,3 +240,20 @@ def test_probe_polls_stay_out_of_the_access_log_unless_debug():
         assert quiet.filter(line("/health"))
     finally:
         access.setLevel(level)
+
+
+def test_the_throughput_line_is_logged_while_requests_run(caplog):
+    metrics = {"prefill_tokens_per_s": 120.0, "decode_tokens_per_s": 30.0, "num_running": 2, "num_waiting": 1,
+               "page_occupancy": 0.25, "prefix_cache_hit_rate": 0.5}
+
+    async def first_line():
+        task = asyncio.create_task(log_stats(lambda: metrics, interval_s=0.0))
+        while not caplog.records:
+            await asyncio.sleep(0)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="zipage_jax.entrypoints.stats"):
+        asyncio.run(first_line())
+    assert caplog.records[0].getMessage() == (
+        "Avg prompt throughput: 120.0 tokens/s, Avg generation throughput: 30.0 tokens/s, Running: 2 reqs, "
+        "Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 50.0%")

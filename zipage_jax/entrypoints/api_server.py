@@ -104,7 +104,8 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
     completion = OpenAIServingCompletion(async_engine, tokenizing, settings)
     chat = OpenAIServingChat(async_engine, tokenizing, settings, reasoning)
     tokenization = ServingTokenization(tokenizing, info.max_model_len, completion.check_model)
-    metrics = ServerMetrics(names[0], info.max_model_len, -(-info.max_model_len // info.config.page_size) + 1,
+    most_pages = -(-info.max_model_len // info.config.page_size) + 1  # a full context's, and one more
+    metrics = ServerMetrics(names[0], info.max_model_len, most_pages,
                             lambda: (async_engine.metrics, server_counters(async_engine, responses)))
     async_engine.observer = metrics  # the request histograms move as outputs arrive
 

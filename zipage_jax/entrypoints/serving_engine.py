@@ -90,7 +90,7 @@ class RequestView:
 
     def __init__(self, serving: "OpenAIServing", body, accepted: list[Accepted]):
         self.serving, self.body, self.accepted = serving, body, accepted
-        self.labels = logprob_formats.TokenLabels(serving.tokenizing.token_text, body.return_tokens_as_token_ids)
+        self.labels = logprob_formats.TokenLabels(serving.token_text, body.return_tokens_as_token_ids)
 
     def prompt_tokens(self, index: int | None = None) -> int:
         """Of choice ``index``'s prompt (after truncation), or of every prompt."""
@@ -162,6 +162,7 @@ class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, tokenizing: Tokenizing, settings: ServingSettings):
         self.async_engine, self.tokenizing, self.settings = async_engine, tokenizing, settings
         self.model_name = settings.model_names[0]
+        self.token_text = tokenizing.token_text  # one token's text, memoized (logprobs' labels)
 
     def check_model(self, model: str | None):
         """A request may leave ``model`` out (vLLM), or name any served name."""
