@@ -122,7 +122,8 @@ CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{%
 def test_a_vllm_launch_line_starts_and_serves(tmp_path):
     """A launch line as a Docker or Helm file writes it for vLLM, through the console script's module: it starts,
     serves under both names, uses the chat template file, logs one note per flag it ignores, keeps probe polls out
-    of the access log, and stops on SIGTERM."""
+    of the access log, and stops on SIGTERM. (Without warm-up, to keep it short: its requests compile what they
+    use.)"""
     (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
     port = free_port()
     line = ["zipage_jax/assets/tiny-reasoner", "--port", str(port), "--served-model-name", "tiny", "alias", "-tp", "1",
@@ -131,7 +132,8 @@ def test_a_vllm_launch_line_starts_and_serves(tmp_path):
             "--max-logprobs", "5", "--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill",
             "--kv-cache-dtype", "auto", "--swap-space", "4", "--enable-log-requests", "--max-log-len", "3",
             "--disable-log-stats",
-            "--uvicorn-log-level", "info", "--download-dir", str(tmp_path), "--compilation-cache-dir", "none"]
+            "--uvicorn-log-level", "info", "--download-dir", str(tmp_path), "--compilation-cache-dir", "none",
+            "--no-warmup"]
     proc = subprocess.Popen([sys.executable, "-m", "zipage_jax.cli", "serve", *line], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
