@@ -1,19 +1,22 @@
-"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, for the tests that speak HTTP to it: it is
-ready when its startup event fires, and every client of it waits as long as ``waiting.HANG_S``."""
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, configured as ``serve`` configures it
+(``api_server.server_config``), for the tests that speak HTTP to it: it is ready when its startup event fires, and
+every client of it waits as long as ``waiting.HANG_S``."""
 
 import asyncio
 import contextlib
 import dataclasses
-import re
 import socket
 import threading
 
 import httpx
 import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from waiting import HANG_S, wait_until
-from zipage_jax.entrypoints.api_server import create_app
+from zipage_jax.entrypoints.api_server import create_app, server_config
+
+ENGINE_LABELS = ("model_name", "engine")  # vLLM's labels of every engine metric: one engine, one name here
 
 
 class _Server(uvicorn.Server):
@@ -46,8 +49,9 @@ class Live:
         return httpx.post(f"{self.url}{path}", timeout=HANG_S, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = self.get("/metrics").text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+        """Every sample of /metrics (parsed by prometheus_client) as ``name`` or ``name{label="value",...}``, the
+        labels every engine metric carries (``ENGINE_LABELS``) left out."""
+        return metric_samples(self.get("/metrics").text)
 
     def stop(self):
         self.server.should_exit = True
@@ -82,9 +86,19 @@ def stream_all_cancelling_odd(live: Live, model: str, prompts: list[str], wants:
     for i, text in enumerate(asyncio.run(main())):
         if i % 2 == 0:
             assert text == wants[i], i
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "all requests to close")
-    wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "all requests to close")
+    wait_until(lambda: live.metrics()["vllm:num_requests_running"] == 0, "the batch to drain")
     return live.metrics()
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ENGINE_LABELS}
+            shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            samples[f"{sample.name}{{{shown}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 @contextlib.contextmanager
@@ -92,8 +106,8 @@ def live_server(engine, *, grace_s: float = 1.0, **app_kwargs):
     """Serve ``create_app(engine, **app_kwargs)`` until the block ends."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = _Server(uvicorn.Config(create_app(engine, **app_kwargs), log_level="warning", lifespan="on",
-                                    timeout_graceful_shutdown=grace_s))
+    server = _Server(server_config(create_app(engine, **app_kwargs), log_level="warning", lifespan="on",
+                                   shutdown_timeout=grace_s))
 
     def run():
         try:

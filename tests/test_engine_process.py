@@ -1,18 +1,24 @@
 """The server's engine loop in a process of its own (``core_client.ProcessCore``, what ``serve`` runs): its outputs
 cross as deltas that rebuild the cumulative outputs exactly (late stop-string truncation included), its messages
 pickle, requests behave as with the loop on a thread, cancellations give their pages back, the engine's own errors
-are 400s, what it truncated comes back, and a lost engine process fails what was in flight and turns /health to
-503."""
+are 400s, what it truncated comes back, hostile prompts stall no stream, and a lost engine process fails what was in
+flight and turns /health to 503."""
 
 
+import itertools
+import json
 import pickle
+import statistics
+import threading
+import time
 
+import httpx
 import openai
 import pytest
 
 from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
-from waiting import wait_until
+from waiting import HANG_S, wait_until
 from zipage_jax.engine.core_client import ProcessCore
 from zipage_jax.engine.engine_core import Reported, output_delta
 from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, NewRequest, OutputDelta,
@@ -24,6 +30,8 @@ from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
 from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
+BASELINE_CHUNKS = 40  # a stream's chunks before the hostile requests: its typical gap, one engine step
+GAP_FACTOR = 25  # how many of those its longest gap may span while they are refused
 OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
                max_num_prefill_seqs=8, num_gpu_pages_override=512, compilation_cache_dir=None)
 
@@ -127,14 +135,16 @@ def test_chat_through_the_stored_tokenizer_matches_the_engine(live, reference):
 
 
 def test_cancelled_streams_give_their_pages_back_and_engine_errors_are_400(live, reference):
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
     prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(12)]
     wants = {i: offline(reference, p, temperature=0.0, max_tokens=24)[0].text for i, p in enumerate(prompts)}
 
     after = stream_all_cancelling_odd(live, model_of(live), prompts, wants, max_tokens=24, cancel_max_tokens=300)
-    assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
-    assert after["zipage_server_client_aborts_total"] - before["zipage_server_client_aborts_total"] == 6
+    assert after["zipage:kv_pages_used"] == before["zipage:kv_pages_used"]
+    assert after["zipage:server_client_aborts_total"] - before["zipage:server_client_aborts_total"] == 6
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
+    assert after[aborted] - before[aborted] == 6
     with pytest.raises(openai.BadRequestError) as err:  # the engine process's own check: ids beyond the vocabulary
         live.client().completions.create(model=model_of(live), prompt=[5, 10**6], max_tokens=2)
     assert "token ids must be ints" in err.value.message and err.value.body["param"] == "prompt"
@@ -150,6 +160,46 @@ def test_a_truncated_prompt_comes_back_from_the_engine_process(live, reference):
     want, prompt_len = offline(reference, ids[-4:], temperature=0.0, max_tokens=3)
     assert got.choices[0].text == reference.tokenizer.decode(ids[-4:]) + want.text
     assert got.usage.prompt_tokens == prompt_len == 4 < len(ids)
+
+
+def test_a_huge_prompt_is_refused_at_once_and_stalls_no_stream(live):
+    """While a stream runs: a 10 MB prompt (over the body cap: 413), a prompt over the character cap (400, never
+    tokenized) and one at the cap (tokenized off the event loop, then refused by the engine: over the context).
+    Meanwhile the stream's longest chunk gap stays within GAP_FACTOR of its median gap, one engine step as the
+    client sees it (the engine steps in its own process, so a stalled event loop would show as one long gap)."""
+    model, cap = model_of(live), 32 * OPTIONS["max_model_len"]
+    hostile = [({"model": model, "prompt": "x" * 10_000_000}, 413, "request_too_large"),
+               ({"model": model, "prompt": "x" * (cap + 1)}, 400, "prompt_too_long"),
+               ({"model": model, "prompt": "y " * (cap // 2)}, 400, "context_length_exceeded")]
+    bodies = [(json.dumps(body).encode(), status, code) for body, status, code in hostile]  # encoded beforehand
+    arrivals, streaming = [], threading.Event()
+
+    def stream():
+        body = {"model": model, "prompt": "forever", "max_tokens": 480, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=HANG_S) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                arrivals.append(time.perf_counter())
+                if len(arrivals) == BASELINE_CHUNKS:
+                    streaming.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert streaming.wait(HANG_S)
+    begin = time.perf_counter()
+    for body, status, code in bodies:
+        r = httpx.post(f"{live.url}/v1/completions", content=body, timeout=HANG_S,
+                       headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+    end = time.perf_counter()
+    client.join(HANG_S)
+    gaps = [(after - before, before, after) for before, after in itertools.pairwise(arrivals)]
+    baseline = [gap for gap, _, after in gaps if after < begin]
+    during = [gap for gap, before, after in gaps if after >= begin and before <= end]
+    bound = max(GAP_FACTOR * statistics.median(baseline), 2 * max(baseline))  # a loaded machine's own hiccups
+    assert max(during, default=0.0) <= bound, (max(during), statistics.median(baseline), max(baseline))
+    assert arrivals[-1] > end, "the stream must outlast the hostile requests"
 
 
 def test_a_launch_error_is_the_engines_value_error():

@@ -24,7 +24,7 @@ LAYERS = (
     ("engine", "tasks"),                        # the step loop, LLM, the async engine; the shipped tasks
     ("entrypoints",),                           # server, eval
     ("benchmarks",),
-    ("serve", "eval", "bench", "__init__"),     # `python -m` entry points and the lazy package front
+    ("serve", "eval", "bench", "cli", "__init__"),  # `python -m` entry points, `zipage-jax`, the package
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

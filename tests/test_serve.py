@@ -5,9 +5,11 @@ be transparent: same text, finish reasons and token counts, whatever the transpo
 """
 
 import contextlib
+import importlib.metadata
 import itertools
 import json
 import logging
+import pathlib
 import re
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import threading
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import live_server, stream_all_cancelling_odd
 from waiting import HANG_S, wait_until
@@ -24,7 +27,10 @@ from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.config import engine_kwargs, option_fields
 from zipage_jax.entrypoints.api_server import create_app
-from zipage_jax.entrypoints.cli_args import build_parser
+from zipage_jax.entrypoints.cli_args import build_parser, parse_args
+from zipage_jax.entrypoints.prometheus import ServerMetrics
+from zipage_jax.entrypoints.sampling_defaults import sampling_defaults
+from zipage_jax.entrypoints.serving_completion import OpenAIServingCompletion
 from zipage_jax.entrypoints.serving_engine import stable_text_len
 from zipage_jax.worker.programs import Programs
 
@@ -144,8 +150,7 @@ def test_cli_documents_every_engine_option_and_maps_it_to_engine_kwargs():
     for flag in ["--model", "--host", "--port", "--api-key", "--max-queued-requests", "--shutdown-timeout",
                  *("--" + name.replace("_", "-") for name in fields)]:
         assert flag in text, flag
-    args = build_parser().parse_args(["--page-size", "32", "--no-enable-prefix-caching", "--dtype", "float32",
-                                      "--window", "8"])
+    _, args = parse_args(["--page-size", "32", "--no-enable-prefix-caching", "--dtype", "float32", "--window", "8"])
     assert engine_kwargs(args, args.engine_fields) == {"page_size": 32, "enable_prefix_caching": False,
                                                        "dtype": "float32", "window": 8}
     assert args.host == "127.0.0.1" and args.model.endswith("tiny-reasoner")
@@ -589,9 +594,9 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
     # the oracle of the streams that run to the end (even i); the odd ones are cancelled after their first text
     wants = dict(zip(range(0, 64, 2), (want.text for want in offline_batch(reference, prompts[::2], temperature=0.0,
                                                                                max_tokens=48))))
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
-    baseline_pages = before["zipage_kv_pages_used"]
+    baseline_pages = before["zipage:kv_pages_used"]
     threads, real_step = set(), engine.step
 
     def recording_step(*args, **kwargs):  # who touches the engine while 64 clients hammer the server
@@ -601,25 +606,25 @@ def test_64_concurrent_streams_complete_and_cancelled_half_free_their_pages(live
     engine.step = recording_step
 
     after = stream_all_cancelling_odd(live, model, prompts, wants, max_tokens=48, cancel_max_tokens=400)
-    assert after["zipage_kv_pages_used"] == baseline_pages
-    assert after["zipage_server_client_aborts_total"] - before["zipage_server_client_aborts_total"] == 32
+    assert after["zipage:kv_pages_used"] == baseline_pages
+    assert after["zipage:server_client_aborts_total"] - before["zipage:server_client_aborts_total"] == 32
     del engine.step
     assert threads == {"engine-loop"}, "the engine must only be touched from its loop thread"
 
 
 def test_non_streaming_client_disconnect_aborts_the_request(live, model):
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
-    before, baseline = (live.metrics()[k] for k in ("zipage_server_client_aborts_total", "zipage_kv_pages_used"))
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "an idle server")
+    before, baseline = (live.metrics()[k] for k in ("zipage:server_client_aborts_total", "zipage:kv_pages_used"))
     body = json.dumps({"model": model, "prompt": "long", "max_tokens": 400, "ignore_eos": True}).encode()
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as client:  # a client that goes away mid-request
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 1, "the request to be admitted")
-    wait_until(lambda: live.metrics()["zipage_server_client_aborts_total"] == before + 1, "the abort")
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "the request to close")
-    wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
-    assert live.metrics()["zipage_kv_pages_used"] == baseline
+        wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 1, "the request to be admitted")
+    wait_until(lambda: live.metrics()["zipage:server_client_aborts_total"] == before + 1, "the abort")
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "the request to close")
+    wait_until(lambda: live.metrics()["vllm:num_requests_running"] == 0, "the batch to drain")
+    assert live.metrics()["zipage:kv_pages_used"] == baseline
 
 
 def test_full_queue_answers_429_and_recovers():
@@ -635,14 +640,14 @@ def test_full_queue_answers_429_and_recovers():
             client.completions.create(model=model, prompt="too many", n=3, max_tokens=2)
         for stream in held:
             stream.close()
-        wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "capacity to return")
+        wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "capacity to return")
         assert client.completions.create(model=model, prompt="now", max_tokens=2).choices[0].text
-        assert live.metrics()["zipage_server_rejected_total"] == 1
+        assert live.metrics()["zipage:server_rejected_total"] == 1
 
 
 def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(live, model, engine, reference):
     client = live.client()
-    wait_until(lambda: live.metrics()["zipage_server_requests_in_flight"] == 0, "an idle server")
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "an idle server")
     before = live.metrics()
     real_step, failures = engine.step, []
 
@@ -661,10 +666,10 @@ def test_engine_step_failure_fails_in_flight_requests_and_the_loop_survives(live
         assert live.get("/health").status_code == 200
         got = client.completions.create(model=model, prompt="fine", max_tokens=50, temperature=0)
         assert got.choices[0].text == offline(reference, "fine", temperature=0.0, max_tokens=50)[0].text
-        wait_until(lambda: live.metrics()["zipage_requests_running"] == 0, "the batch to drain")
+        wait_until(lambda: live.metrics()["vllm:num_requests_running"] == 0, "the batch to drain")
         after = live.metrics()
-        assert after["zipage_kv_pages_used"] == before["zipage_kv_pages_used"]
-        assert after["zipage_server_step_failures_total"] == before["zipage_server_step_failures_total"] + 1
+        assert after["zipage:kv_pages_used"] == before["zipage:kv_pages_used"]
+        assert after["zipage:server_step_failures_total"] == before["zipage:server_step_failures_total"] + 1
 
         engine.step, failures = failing_step, []
         with pytest.raises(openai.APIError, match="engine failed"):
@@ -681,7 +686,7 @@ def test_graceful_shutdown_aborts_in_flight_and_joins_the_loop(reference):
     engine, before = reference, loop_threads()
     with live_server(engine, grace_s=0.2) as live:
         assert loop_threads() == before + 1
-        baseline = live.metrics()["zipage_kv_pages_used"]
+        baseline = live.metrics()["zipage:kv_pages_used"]
         client, model = live.client(), model_of(live)
         stream = client.completions.create(model=model, prompt="forever", max_tokens=400, stream=True,
                                            extra_body={"ignore_eos": True})
@@ -708,7 +713,11 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", b"{not json", 400, None, "malformed JSON"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
     ("/v1/completions", b"", 400, None, ""),
-    ("/v1/completions", {"prompt": "hi"}, 400, "model", "model"),
+    ("/v1/completions", _completion(model=7), 400, "model", "model"),
+    ("/v1/completions", _completion(prompt="a\ud800b"), 400, "prompt", "prompt: invalid Unicode"),
+    ("/v1/completions", _completion(prompt=["ok", "\udfff"]), 400, "prompt", "prompt[1]: invalid Unicode"),
+    ("/v1/completions", _completion(stop=["ok", "\ud800"]), 400, "stop", "stop[1]: invalid Unicode"),
+    ("/v1/completions", _completion(user="\ud800"), 400, "user", "invalid Unicode"),
     ("/v1/completions", _completion(model="no-such-model"), 404, "model", "does not exist"),
     ("/v1/completions", _completion(temperature="hot"), 400, "temperature", "temperature"),
     ("/v1/completions", _completion(temperature=-1), 400, "temperature", "temperature"),
@@ -737,6 +746,12 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/chat/completions", _chat(max_completion_tokens="FULL_CONTEXT_TOKENS"), 400, "max_tokens",
      "maximum context length"),
     ("/v1/chat/completions", _chat(messages=[]), 400, "messages", "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "\ud800"}]), 400, "messages",
+     "messages[0].content: invalid Unicode"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+     400, "messages", "messages[0].content[0].text: invalid Unicode"),
+    ("/v1/chat/completions", _chat(stop="\udc00", chat_template_kwargs={"x\ud800": 1}), 400, "stop",
+     "invalid Unicode"),
     ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "messages"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages", "messages"),
@@ -776,35 +791,175 @@ def test_unknown_route_and_method_use_the_error_shape(live):
     assert live.get("/v1/models/not-it").status_code == 404
 
 
-def test_api_key_is_enforced_on_v1_only(reference):
-    with live_server(reference, api_key="s3cret") as live:
+def test_api_key_is_checked_before_the_body_and_several_names_are_served(reference):
+    with live_server(reference, api_key="s3cret", served_model_name=["tiny", "alias"]) as live:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
             r = live.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        json_type = {"content-type": "application/json"}
+        assert live.post("/v1/completions", content=b"{not json", headers=json_type).status_code == 401  # as vLLM
+        r = live.post("/v1/completions", content=b"{not json", headers={**json_type, "Authorization": "Bearer s3cret"})
+        assert r.json()["error"]["code"] == "invalid_json"
         with pytest.raises(openai.AuthenticationError):
             live.client(api_key="wrong").completions.create(model="fake", prompt="x")
-        model = live.client(api_key="s3cret").models.list().data[0].id
-        assert live.client(api_key="s3cret").completions.create(model=model, prompt="ok", max_tokens=2).choices
+        client = live.client(api_key="s3cret")
+        assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+        got = client.completions.create(model="alias", prompt="ok", max_tokens=2)
+        assert got.model == "tiny" and got.choices  # responses name the first served name, as vLLM's
+        body = {"prompt": "ok", "max_tokens": 2}  # no model: the served one (vLLM)
+        r = live.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert live.get("/health").status_code == 200 and live.post("/tokenize", json=body).status_code == 200
+
+
+def test_an_unexpected_error_is_one_traceback_and_a_500(live, model, caplog, monkeypatch):
+    async def broken(self, body, request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(OpenAIServingCompletion, "create", broken)
+    uvicorn_log = logging.getLogger("uvicorn")  # uvicorn's loggers do not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.ERROR):
+            r = live.post("/v1/completions", json=_completion(model=model))
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert [record.exc_info[1].args for record in caplog.records if record.exc_info] == [("a bug",)]
+
+
+def test_half_open_connections_are_closed(reference):
+    """Connections that never finish their headers, or never send the body they announced, are closed once the
+    read timeout passes (a body that never comes gets a 408 first); the server serves on."""
+    with live_server(reference, read_timeout=0.2) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        headers = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+        kinds = {"silent": b"", "unfinished headers": headers,
+                 "no body": headers + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"}
+        sockets = {kind: [socket.create_connection((host, int(port))) for _ in range(10)] for kind in kinds}
+        for kind, group in sockets.items():
+            for sock in group:
+                sock.sendall(kinds[kind])
+        for kind, group in sockets.items():
+            for sock in group:
+                sock.settimeout(HANG_S)
+                received = b""
+                while chunk := sock.recv(65536):  # until the server closes it
+                    received += chunk
+                sock.close()
+                assert received.startswith(b"HTTP/1.1 408") if kind == "no body" else received == b"", kind
         assert live.get("/health").status_code == 200
 
 
 # -- observability ----------------------------------------------------------------------------------------------
-def test_models_health_metrics_and_openapi(live, model, engine):
+def test_models_health_ping_version_and_openapi(live, model, engine):
     client = live.client()
     assert [m.id for m in client.models.list().data] == [engine.model_name] == [model] == ["tiny-reasoner"]
     assert client.models.retrieve(model).id == model
     assert live.get("/health").json() == {"status": "ok"}
+    assert (live.get("/ping").status_code, live.post("/ping").status_code) == (200, 200)
+    assert live.get("/version").json() == {"version": importlib.metadata.version("zipage_jax")}
+    schema = live.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
+            "/health", "/ping", "/version", "/metrics"} <= set(schema["paths"])
+    assert "kv_budget_pages" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+
+
+def test_tokenizer_endpoints_answer_in_vllm_shapes(live, model, engine):
+    """The oracle is transformers' tokenizer of the model, beside the server's own path."""
+    hf = engine.get_tokenizer()
+    got = live.post("/tokenize", json={"model": model, "prompt": QUESTION}).json()
+    ids = hf.encode(QUESTION)
+    assert got == {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+    got = live.post("/tokenize", json={"prompt": QUESTION, "add_special_tokens": False, "return_token_strs": True})
+    assert got.json()["token_strs"] == hf.convert_ids_to_tokens(hf.encode(QUESTION, add_special_tokens=False))
+    messages = [{"role": "user", "content": "What is 67815*55?"}]
+    assert live.post("/tokenize", json={"messages": messages}).json()["tokens"] == chat_ids(engine, messages)
+    plain = hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    got = live.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert got == hf.encode(plain, add_special_tokens=False)
+    assert live.post("/detokenize", json={"model": model, "tokens": ids}).json() == {"prompt": hf.decode(ids)}
+    for path, body, param in [("/detokenize", {"tokens": [len(hf)]}, "tokens"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages")]:
+        r = live.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    info = live.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(hf).__name__ and info["eos_token"] == hf.eos_token
+    assert info["chat_template"] == hf.chat_template and "vocab_file" not in info
+
+
+def test_generation_config_defaults_the_server_chat_template_and_max_logprobs(reference, tmp_path):
+    """vLLM's --generation-config DIR (sampling defaults for what a request leaves unset), --chat-template (the
+    server's own template, for chat and /tokenize) and --max-logprobs."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 9}))
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "What is 67815*55?"}]
+    prompt = "<|im_start|>What is 67815*55?"
+    with live_server(reference, generation_config=str(tmp_path), chat_template=template, max_logprobs=2) as live:
+        client, model = live.client(), model_of(live)
+        want, _ = offline(reference, prompt, temperature=0.0, max_tokens=9, ignore_eos=True)
+        got = client.chat.completions.create(model=model, messages=messages, extra_body={"ignore_eos": True})
+        assert (got.choices[0].message.content, got.usage.completion_tokens) == (want.text, 9)
+        ids = reference.tokenizer.encode(prompt, add_special_tokens=False)
+        assert live.post("/tokenize", json={"messages": messages}).json()["tokens"] == ids
+        with pytest.raises(openai.BadRequestError, match="--max-logprobs of 2"):
+            client.completions.create(model=model, prompt="x", max_tokens=2, logprobs=3)
+    assert sampling_defaults("vllm", str(tmp_path)) == {}
+    assert sampling_defaults("auto", str(tmp_path), {"top_k": 5}) == {"temperature": 0.0, "max_tokens": 9, "top_k": 5}
+    with pytest.raises(ValueError, match="override_generation_config"):
+        sampling_defaults("vllm", None, {"best_of": 2})
+    with pytest.raises(ValueError, match="generation_config: its defaults are invalid"):
+        sampling_defaults("vllm", None, {"temperature": -1})
+
+
+def test_metrics_parse_with_prometheus_client_and_the_histograms_move_with_traffic(live, model, engine):
+    """vLLM's names, types and labels; one request moves each request histogram by exactly what it did (its usage
+    is the oracle), its time to first token within its end-to-end latency."""
+    wait_until(lambda: live.metrics()["zipage:server_requests_in_flight"] == 0, "an idle server")
     r = live.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    for name in ["zipage_requests_running", "zipage_requests_waiting", "zipage_kv_page_occupancy",
-                 "zipage_compression_time_share", "zipage_prompt_tokens_total", "zipage_generation_tokens_total",
-                 "zipage_requests_finished_total", "zipage_server_responses_total"]:
-        assert f"# TYPE {name} " in r.text, name
-    metrics = live.metrics()
-    assert metrics['zipage_server_responses_total{endpoint="/v1/models",status="200"}'] >= 1
-    schema = live.get("/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
-    assert "kv_budget_pages" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+             "vllm:request_queue_time_seconds": "histogram", "zipage:compressions": "counter",
+             "zipage:evicted_tokens": "counter", "zipage:request_kv_pages": "histogram",
+             "zipage:server_responses": "counter"}
+    assert {name: families[name].type for name in kinds} == kinds
+    assert families["vllm:num_requests_running"].samples[0].labels == {"model_name": model, "engine": "0"}
+    assert families["zipage:compression_time_share"].samples[0].value == 0.0  # compression off: measured, none
+    dashboard = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "grafana-dashboard.json").read_text())
+    read = {re.sub(r"_(bucket|total|sum|count)$", "", name) for panel in dashboard["panels"]
+            for target in panel["targets"] for name in re.findall(r"(?:vllm|zipage):\w+", target["expr"])}
+    assert read <= set(families)  # the dashboard reads what the server exports
+    counters = dict(requests_in_flight=0, request_capacity=1, client_aborts=0, rejected=0, step_failures=0,
+                    responses={})
+    unmeasured, _ = ServerMetrics("m", 64, 5, lambda: ({"compression_time_share": None, "num_running": 2},
+                                                       counters)).render(None)
+    assert "compression_time_share" not in unmeasured.decode()  # asynchronous, unobserved: absent, not made up
+    before = live.metrics()
+    got = live.client().completions.create(model=model, prompt=QUESTION, temperature=0, max_tokens=12,
+                                           extra_body={"ignore_eos": True})
+    wait_until(lambda: live.metrics()["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"],
+               "the engine's counters to be published")
+    after = live.metrics()
+
+    def moved(name):
+        return after[name] - before[name]
+
+    n = got.usage.completion_tokens
+    assert n == 12 and moved('vllm:request_success_total{finished_reason="length"}') == 1
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "zipage:request_kv_pages"):
+        assert moved(f"{name}_count") == 1, name
+    assert moved("vllm:inter_token_latency_seconds_count") == n - 1  # one token a step after the first
+    assert moved("vllm:request_prompt_tokens_sum") == got.usage.prompt_tokens
+    assert moved("vllm:request_generation_tokens_sum") == n
+    assert 0 < moved("vllm:time_to_first_token_seconds_sum") <= moved("vllm:e2e_request_latency_seconds_sum")
+    assert moved('vllm:e2e_request_latency_seconds_bucket{le="+Inf"}') == 1
+    assert moved("zipage:evicted_tokens_total") == 0  # compression is off
 
 
 def test_schemathesis_finds_no_server_error(live, model):
@@ -820,8 +975,9 @@ def test_schemathesis_finds_no_server_error(live, model):
         @settings(max_examples=30, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case):
-            if isinstance(case.body, dict) and "model" in case.body:
-                case.body["model"] = model  # reach the engine, not just the unknown-model 404
+            if isinstance(case.body, dict) and case.path.startswith("/v1/"):
+                if "model" in case.body:  # optional (vLLM): left out, the served one
+                    case.body["model"] = model  # reach the engine, not just the unknown-model 404
                 # short generations: the point is the server's answers, and a default max_tokens is the whole
                 # context (hundreds of CPU decode steps per case, past the client's timeout on a busy machine)
                 for key in ("max_tokens", "max_completion_tokens"):

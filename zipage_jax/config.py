@@ -8,11 +8,13 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
 import types
 import typing
 
 DEFAULT_MODEL = str(pathlib.Path(__file__).parent / "assets" / "tiny-reasoner")  # the shipped model
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
 
 
@@ -90,6 +92,8 @@ class EngineConfig:
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
 
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check(isinstance(self.model, str) and self.model, "model", "must be a non-empty path or name")
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         check(is_int(self.page_size) and 16 <= self.page_size <= 256
@@ -217,7 +221,7 @@ def option_fields() -> dict:
 DESCRIPTIONS = {
     "model": "HF checkpoint directory (config.json, safetensors, tokenizer) or Hugging Face Hub id",
     "tokenizer": "tokenizer directory or Hub id; None = the model's",
-    "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16`, `float32`",
+    "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16` (or `half`), `float32` (or `float`)",
     "page_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
     "max_model_len": "longest prompt + output in tokens; None = the model's context",
     "max_num_seqs": "most running requests (decode batch sizes are compiled up to it)",
@@ -280,6 +284,24 @@ def _field_type(hint):
     return hint, False
 
 
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """An int, or a size with vLLM's suffixes: ``32k`` = 32000, ``1.5m`` = 1500000 (decimal, lower case), ``32K`` =
+    32768, ``2G`` = 2**31 (binary, upper case, whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix.isupper() and "." in number:
+        raise ValueError(f"{text}: a binary suffix takes a whole number")
+    return round(float(number) * _SIZE_SUFFIXES[suffix])
+
+
+human_int.__name__ = "int"  # argparse names the type in its error messages
+
+
 def _optional(kind):
     def convert(text: str):
         return None if text.lower() == "none" else kind(text)
@@ -288,14 +310,16 @@ def _optional(kind):
     return convert
 
 
-def add_engine_options(parser: argparse.ArgumentParser, exclude=(), defaults: dict | None = None) -> list[str]:
+def add_engine_options(parser: argparse.ArgumentParser, exclude=(), defaults: dict | None = None,
+                       aliases: dict[str, tuple[str, ...]] | None = None) -> list[str]:
     """One option per engine option (``option_fields``; bools as --flag/--no-flag), described by
     ``DESCRIPTIONS``; unset options stay out of the namespace and keep the engine's default (so 'none' can
-    unset a field whose default is not None). A command may leave out the options it sets itself (``exclude``)
-    and give its own defaults (``defaults``: shown in --help and set in the namespace). Returns the option
-    names."""
-    defaults = defaults or {}
-    unknown = sorted((set(exclude) | set(defaults)) - set(option_fields()))
+    unset a field whose default is not None). Ints take human sizes (``human_int``: ``32k``). A command may leave
+    out the options it sets itself (``exclude``), give its own defaults (``defaults``: shown in --help and set in
+    the namespace) and other spellings of a flag (``aliases``: field -> option strings, e.g. vLLM's
+    ``--block-size``). Returns the option names."""
+    defaults, aliases = defaults or {}, aliases or {}
+    unknown = sorted((set(exclude) | set(defaults) | set(aliases)) - set(option_fields()))
     if unknown:
         raise TypeError(f"unknown engine option(s) {unknown}")
     group = parser.add_argument_group("engine (EngineConfig fields; unset = the engine's default)")
@@ -305,14 +329,15 @@ def add_engine_options(parser: argparse.ArgumentParser, exclude=(), defaults: di
         if name in exclude:
             continue
         kind, nullable = _field_type(hints[name])
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *aliases.get(name, ())]
+        kind = human_int if kind is int else kind
         default = defaults.get(name, argparse.SUPPRESS)
         text = (f"{DESCRIPTIONS[name]} (default: {defaults.get(name, field.default)}"
                 + ("; 'none' to unset)" if nullable else ")")).replace("%", "%%").replace("`", "")
         if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            group.add_argument(flag, dest=name, type=_optional(kind) if nullable else kind, default=default,
+            group.add_argument(*flags, dest=name, type=_optional(kind) if nullable else kind, default=default,
                                metavar=kind.__name__.upper(), help=text)
         names.append(name)
     return names

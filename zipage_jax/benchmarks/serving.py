@@ -20,7 +20,6 @@ reported and checked against ``--rss-tolerance-mb``.
 import asyncio
 import collections
 import json
-import re
 import time
 
 import numpy as np
@@ -32,8 +31,12 @@ PERCENTILES = (50, 90, 99)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text to ``{name{labels}: value}``."""
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+    """Prometheus text to ``{name: value}`` of the samples without labels of their own (the engine's ``model_name``
+    and ``engine`` set aside)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if not set(sample.labels) - {"model_name", "engine"}}
 
 
 def server_rss_bytes(pid: int) -> int | None:
@@ -210,8 +213,8 @@ async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
 
     async def tick():
         m = await fetch_metrics(url)
-        samples.append(dict(time_s=time.perf_counter() - start, kv_pages_used=m.get("zipage_kv_pages_used"),
-                            running=m.get("zipage_requests_running"), waiting=m.get("zipage_requests_waiting"),
+        samples.append(dict(time_s=time.perf_counter() - start, kv_pages_used=m.get("zipage:kv_pages_used"),
+                            running=m.get("vllm:num_requests_running"), waiting=m.get("vllm:num_requests_waiting"),
                             rss_bytes=server_rss_bytes(args.server_pid) if args.server_pid else None))
 
     results, wall = await drive(url, model, prompts, max_tokens, args.soak_rate, args.seed + 1, args.cancel_prob,
@@ -219,8 +222,8 @@ async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
     deadline = time.perf_counter() + args.drain_timeout  # the server aborts cancelled requests on its next steps
     while True:
         after = await fetch_metrics(url)
-        idle = after.get("zipage_requests_running", 0) == 0 and after.get("zipage_requests_waiting", 0) == 0
-        if (idle and after.get("zipage_kv_pages_used") == baseline.get("zipage_kv_pages_used")) \
+        idle = after.get("vllm:num_requests_running", 0) == 0 and after.get("vllm:num_requests_waiting", 0) == 0
+        if (idle and after.get("zipage:kv_pages_used") == baseline.get("zipage:kv_pages_used")) \
                 or time.perf_counter() > deadline:
             break
         await asyncio.sleep(0.2)
@@ -228,13 +231,13 @@ async def soak(url: str, model: str, prompts, max_tokens, args) -> dict:
     rss = [s["rss_bytes"] for s in samples if s["rss_bytes"] is not None]
     half = rss[len(rss) // 2:] if rss else []
     growth = (max(half) - half[0]) / 1e6 if len(half) > 1 else None
-    aborts = "zipage_server_client_aborts_total"
+    aborts = "zipage:server_client_aborts_total"
     return dict(soak_s=args.soak, rate=args.soak_rate, cancel_prob=args.cancel_prob,
                 summary=summarize(results, wall, args.soak_rate, args.slo_ttft, args.slo_tpot),
-                kv_pages_used_before=baseline.get("zipage_kv_pages_used"),
-                kv_pages_used_after=after.get("zipage_kv_pages_used"),
+                kv_pages_used_before=baseline.get("zipage:kv_pages_used"),
+                kv_pages_used_after=after.get("zipage:kv_pages_used"),
                 peak_kv_pages_used=max((s["kv_pages_used"] or 0 for s in samples), default=0),
-                pages_returned=after.get("zipage_kv_pages_used") == baseline.get("zipage_kv_pages_used"),
+                pages_returned=after.get("zipage:kv_pages_used") == baseline.get("zipage:kv_pages_used"),
                 idle_after=idle, client_aborts=after.get(aborts, 0) - baseline.get(aborts, 0),
                 rss_growth_second_half_mb=growth,
                 memory_flat=None if growth is None else growth <= args.rss_tolerance_mb, samples=samples)

@@ -3,12 +3,14 @@
 The loop (``engine_core.EngineCore``) runs where its ``core`` says (``core_client``: a thread of this process, or a
 process of its own); the event loop sends it commands and receives its events (``messages``), each handed to the
 event loop with ``call_soon_threadsafe``. Every HTTP request becomes a `request_group.RequestGroup` (its n choices
-× prompts), which the engine validates and queues all or none.
+× prompts), which the engine validates and queues all or none. An ``observer`` (the server's metrics) sees each
+delta as it arrives and each group as it closes.
 """
 
 import asyncio
 import itertools
 import logging
+import time
 
 from zipage_jax.engine.core_client import ThreadCore
 from zipage_jax.engine.messages import (Abort, Added, AddRequests, Event, Exited, Failed, Metrics, NewRequest, Outputs,
@@ -37,9 +39,13 @@ class RequestRefused(Exception):
 class AsyncEngine:
     """The event-loop side of one engine loop. ``engine``: an `LLMEngine` (its loop then runs on a thread of this
     process) or a started core (``core_client.ProcessCore``). `submit` / `RequestGroup.close` are called from the
-    event loop only."""
+    event loop only.
 
-    def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False, ready_early: bool = False):
+    ``observer``: ``delta(group, index, delta, now)``, called before the delta is applied to its choice (its
+    previous token time is still there), and ``closed(group, num_unfinished)``."""
+
+    def __init__(self, engine, *, max_queued_requests: int, warmup: bool = False, ready_early: bool = False,
+                 observer=None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.core = engine if hasattr(engine, "send") else ThreadCore(engine, warmup, ready_early)
@@ -51,6 +57,7 @@ class AsyncEngine:
         self.rejected = 0
         self.step_failures = 0
         self.metrics: dict = {}  # the loop's latest engine.metrics()
+        self.observer = observer
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # request id -> its group, its choice index
         self._adding: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
@@ -66,8 +73,9 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.core.alive and not self._stopping and not self._exited
 
-    async def submit(self, requests: list[NewRequest]) -> RequestGroup:
+    async def submit(self, requests: list[NewRequest], arrival: float | None = None) -> RequestGroup:
         """Queue ``requests`` as one group, all or none; the group's ``accepted`` says what the engine queued.
+        ``arrival``: when the HTTP request came (``time.monotonic()``; default now).
 
         Raises QueueFullError, EngineUnavailableError, or RequestRefused for input the engine refuses.
         """
@@ -80,7 +88,8 @@ class AsyncEngine:
             raise QueueFullError(f"the request queue is full ({self.in_flight} of {self.capacity} slots in use); "
                                  "retry later")
         self.in_flight += len(requests)
-        group = RequestGroup([r.request_id for r in requests], self._close)
+        group = RequestGroup([r.request_id for r in requests], self._close,
+                             time.monotonic() if arrival is None else arrival)
         for index, request in enumerate(requests):
             self._routes[request.request_id] = (group, index)
         token = next(self._tokens)
@@ -104,17 +113,20 @@ class AsyncEngine:
         self.core.send(Stop())
         await asyncio.to_thread(self.core.join, timeout)
 
-    def _close(self, unfinished: list[str], num_choices: int):
+    def _close(self, group: RequestGroup, unfinished: list[str]):
         if unfinished:
             for request_id in unfinished:
                 self._routes.pop(request_id, None)
             self.core.send(Abort(unfinished))
-        self.in_flight -= num_choices
+        self.in_flight -= len(group.request_ids)
+        if self.observer is not None and group.accepted:  # a group the engine refused never ran
+            self.observer.closed(group, len(unfinished))
 
     # -- events (on the event loop) --------------------------------------------------------------------------
     def _on_event(self, event: Event):
         match event:
             case Outputs(deltas):
+                now = time.monotonic()
                 for delta in deltas:
                     route = self._routes.get(delta.request_id)
                     if route is None:
@@ -122,7 +134,9 @@ class AsyncEngine:
                     if delta.finished:
                         del self._routes[delta.request_id]
                     group, index = route
-                    group.apply(index, delta)
+                    if self.observer is not None:
+                        self.observer.delta(group, index, delta, now)
+                    group.apply(index, delta, now)
             case Added(token, accepted):
                 self._answer(token, lambda future: future.set_result(accepted))
             case Refused(token, message, bad_input=bad_input):

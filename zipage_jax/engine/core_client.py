@@ -8,6 +8,7 @@ Both offer ``start(on_event)`` (``on_event`` is called on a background thread, o
 """
 
 import concurrent.futures
+import contextlib
 import importlib
 import logging
 import multiprocessing
@@ -79,7 +80,8 @@ class ProcessCore:
         process = context.Process(target=_child_main, name="engine-core", daemon=True,
                                   args=(commands_read, events_write, model, options, warmup, log_level,
                                         ready_early))
-        process.start()
+        with _sigint_blocked():  # the child inherits the block from its first instruction: Ctrl-C is the server's
+            process.start()
         # transformers' import (a second of a warm start) overlaps the engine's build: the tokenizer loads after it
         threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
         commands_read.close()
@@ -140,6 +142,18 @@ class ProcessCore:
             thread.join(1.0)
 
 
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked while a child process starts: the child inherits the blocked mask through exec (a Ctrl-C
+    during its imports, before it ignores SIGINT itself, never reaches it), and this process gets a Ctrl-C that
+    came meanwhile once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _child_main(commands, events, model: str, options: dict, warmup: bool, log_level: str, ready_early: bool):
     """The engine process: build the engine, report, then run the loop until ``stop`` (or until the server's
     process is gone: its end of the pipe closes)."""
@@ -183,7 +197,8 @@ def _child_main(commands, events, model: str, options: dict, warmup: bool, log_l
 
 
 def engine_info(engine) -> EngineInfo:
-    return EngineInfo(engine.model_name, engine.max_model_len, engine.config, engine.tokenizer_path)
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.config, engine.tokenizer_path,
+                      engine.model_path)
 
 
 def exit_if_compiling(engine):

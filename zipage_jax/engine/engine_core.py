@@ -5,7 +5,8 @@ It runs on a thread of the server's process (``core_client.ThreadCore``) or alon
 keeps the device fed). Either way it speaks in ``messages``: each step's outputs travel as ``OutputDelta``s (the
 tokens, text and logprobs new since the request's last delta), O(new tokens) per request and step instead of the
 cumulative O(length). Requests are validated here, by ``LLMEngine.add_request`` with the server's length rule, and
-nowhere else: the server learns what was queued (``Added``) or why not (``Refused``).
+nowhere else: the server learns what was queued (``Added``) or why not (``Refused``). A request's final delta says
+how the engine ran it (``RequestStats``: its time in the queue, measured here, and what compression did to it).
 """
 
 import concurrent.futures
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Command, Event, Failed, Metrics,
-                                        OutputDelta, Outputs, Ready, Refused, Startup, Stop, Stopped)
+                                        OutputDelta, Outputs, Ready, Refused, RequestStats, Startup, Stop, Stopped)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,13 @@ class EngineCore:
         self._metrics_at = 0.0
 
     def run(self):
+        self.engine.add_step_observer(self._note_scheduled)
+        try:
+            self._run()
+        finally:
+            self.engine.remove_step_observer(self._note_scheduled)
+
+    def _run(self):
         self.emit(Metrics(self.engine.metrics()))
         if self.warmup:
             self._warm_up()
@@ -124,8 +132,9 @@ class EngineCore:
         try:
             for new in command.requests:
                 self.engine.add_request(new.request_id, new.prompt_token_ids, new.params, reject_over_length=True)
-                self._sent[new.request_id] = Reported()
-                kept = self.engine.requests[new.request_id].prompt_token_ids
+                request = self.engine.requests[new.request_id]
+                self._sent[new.request_id] = Reported(request, queued_at=time.monotonic())
+                kept = request.prompt_token_ids
                 accepted.append(Accepted(len(kept), list(kept) if len(kept) != len(new.prompt_token_ids) else None))
         except Exception as error:
             self._abort([new.request_id for new in command.requests[:len(accepted)]])
@@ -153,6 +162,17 @@ class EngineCore:
         if deltas:
             self.emit(Outputs(deltas))
 
+    def _note_scheduled(self, record):
+        """A step observer: the requests whose first prompt chunk this step scheduled leave the queue (at the
+        step's scheduling, not its end)."""
+        if not record.scheduled.prefills:
+            return
+        scheduled_at = time.monotonic() - record.step_s + record.schedule_s
+        for chunk in record.scheduled.prefills:
+            reported = self._sent.get(chunk.request.request_id)
+            if reported is not None and reported.scheduled_at is None:
+                reported.scheduled_at = scheduled_at
+
     def _fail_all(self, message: str, step_failure: bool = False):
         request_ids, self._sent = list(self._sent), {}
         for request_id in request_ids:
@@ -177,11 +197,23 @@ class EngineCore:
 
 @dataclasses.dataclass
 class Reported:
-    """How much of one request's output the server has."""
+    """How much of one request's output the server has, and what its final delta's stats read (``request``: the
+    engine's, None in tests of the deltas alone)."""
 
+    request: object = None  # core.request.Request
+    queued_at: float = 0.0  # time.monotonic()
+    scheduled_at: float | None = None
     tokens: int = 0
     chars: int = 0
     prompt_logprobs: bool = False  # all of them (they are complete once the prompt is computed)
+
+    def stats(self) -> RequestStats | None:
+        r = self.request
+        if r is None:
+            return None
+        queue_s = None if self.scheduled_at is None else max(self.scheduled_at - self.queued_at, 0.0)
+        return RequestStats(len(r.prompt_token_ids), queue_s, r.num_evicted, r.peak_pages, r.num_compressions,
+                            r.num_preemptions)
 
 
 def output_delta(output, reported: Reported) -> OutputDelta:
@@ -194,4 +226,4 @@ def output_delta(output, reported: Reported) -> OutputDelta:
         reported.prompt_logprobs = None not in prompt_logprobs[1:]  # the first has none: nothing predicts it
     return OutputDelta(output.request_id, token_start, c.token_ids[token_start:], text_start, c.text[text_start:],
                        None if c.logprobs is None else c.logprobs[token_start:], c.finish_reason, c.stop_reason,
-                       prompt_logprobs)
+                       prompt_logprobs, reported.stats() if output.finished else None)

@@ -106,6 +106,18 @@ class Refused:
 
 
 @_message
+class RequestStats:
+    """How the engine ran a request, carried by its final delta (the engine's clock: its loop measures them)."""
+
+    num_prompt_tokens: int  # after truncation
+    queue_s: float | None  # from the engine queuing it to its first scheduled step (None: never scheduled)
+    num_evicted_tokens: int  # tokens compression dropped from its KV (of its last admission: a recompute restarts)
+    peak_kv_pages: int
+    num_compressions: int
+    num_preemptions: int
+
+
+@_message
 class OutputDelta:
     """What one step added to a request's output. The text and token lists are replaced from ``text_start`` /
     ``token_start`` on (a stop string found late truncates text already reported)."""
@@ -119,6 +131,7 @@ class OutputDelta:
     finish_reason: str | None  # None while the request runs
     stop_reason: int | str | None
     prompt_logprobs: list | None  # where asked: whole, until a delta has carried them complete
+    stats: RequestStats | None = None  # the final delta's
 
     @property
     def finished(self) -> bool:
@@ -167,6 +180,7 @@ class EngineInfo:
     max_model_len: int
     config: object  # EngineConfig
     tokenizer_path: str | None  # None: the engine serves token ids only
+    model_path: str | None = None  # the model's directory (a Hub id's snapshot): its generation_config.json
 
 
 @_message

@@ -17,7 +17,8 @@ class EngineStepError(Exception):
 class ChoiceOutput:
     """One choice's output so far. ``text`` is whole (a stop string found late retracts its tail; a reasoning
     parser splits it whole); ``token_ids`` and ``logprobs`` (None unless asked) are the tokens not taken yet, of
-    ``num_tokens`` generated."""
+    ``num_tokens`` generated. ``first_token_at`` / ``last_token_at``: when (``time.monotonic()``) the server received
+    its first and its latest tokens."""
 
     def __init__(self):
         self.text = ""
@@ -27,12 +28,17 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.prompt_logprobs: list | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.num_taken + len(self.token_ids)
 
-    def apply(self, delta: OutputDelta):
+    def apply(self, delta: OutputDelta, now: float | None = None):
+        if delta.token_ids and now is not None:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
         # where the delta's tokens go among those held; a token reported once is never taken back, so a delta never
         # starts before the taken ones (``skip`` only guards it)
         start = max(delta.token_start - self.num_taken, 0)
@@ -58,10 +64,11 @@ class ChoiceOutput:
 
 
 class RequestGroup:
-    """The choices of one HTTP request. ``accepted``: what the engine queued of each (``messages.Accepted``)."""
+    """The choices of one HTTP request. ``accepted``: what the engine queued of each (``messages.Accepted``);
+    ``arrival``: when (``time.monotonic()``) the server received the request."""
 
-    def __init__(self, request_ids: list[str], on_close):
-        self.request_ids = request_ids
+    def __init__(self, request_ids: list[str], on_close, arrival: float = 0.0):
+        self.request_ids, self.arrival = request_ids, arrival
         self.outputs = [ChoiceOutput() for _ in request_ids]
         self.accepted: list[Accepted] = []
         self._on_close = on_close  # (the unfinished request ids, how many choices): abort them, give capacity back
@@ -79,10 +86,10 @@ class RequestGroup:
     def failed(self) -> bool:
         return self._error is not None
 
-    def apply(self, index: int, delta: OutputDelta):
+    def apply(self, index: int, delta: OutputDelta, now: float | None = None):
         if self._closed:
             return
-        self.outputs[index].apply(delta)
+        self.outputs[index].apply(delta, now)
         self._changed.add(index)
         if delta.finished:
             self._finished.add(index)
@@ -118,5 +125,4 @@ class RequestGroup:
         if self._closed:
             return
         self._closed = True
-        self._on_close([rid for i, rid in enumerate(self.request_ids) if i not in self._finished],
-                       len(self.request_ids))
+        self._on_close(self, [rid for i, rid in enumerate(self.request_ids) if i not in self._finished])

@@ -44,7 +44,10 @@ class StoredTokenizer:
         self.eos_token_id = eos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call releases the GIL while it tokenizes (``encode`` holds it): a server thread encoding a long
+        # prompt leaves its event loop running; ``_fast`` skips the offsets nobody reads
+        encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids, skip_special_tokens: bool = False, **_) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -60,9 +63,14 @@ class ServingTokenizer:
         self._transformers = loader.submit(load_tokenizer, path)
         loader.shutdown(wait=False)
         self.encode, self.decode, self.eos_token_id = stored.encode, stored.decode, stored.eos_token_id
+        self._tokenizer = stored._tokenizer
 
     def apply_chat_template(self, *args, **kwargs):
-        return self._transformers.result().apply_chat_template(*args, **kwargs)
+        return self.transformers().apply_chat_template(*args, **kwargs)
+
+    def transformers(self):
+        """transformers' tokenizer, once loaded."""
+        return self._transformers.result()
 
 
 def load_serving_tokenizer(path: str, cache_dir: str | None):

@@ -5,13 +5,15 @@ warning per request (``ignored_fields``), so clients written for vLLM or OpenAI 
 implements and this server does not (structured output, tools, beam search, ...) are refused with a 400 when
 they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Declared fields are
 strict (no string-to-number coercion). Value ranges are left to `SamplingParams`, the single source of truth;
-its `ValueError`s become 400s too.
+its `ValueError`s become 400s too. Every string of a request, ignored fields included, must be valid Unicode (JSON
+may escape a lone surrogate, ``"\\ud800"``, which no tokenizer encodes): one that is not is a 400 naming it.
 """
 
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from zipage_jax.sampling_params import MAX_LOGPROBS
 
@@ -35,6 +37,9 @@ def validation_error(errors: list[dict]) -> APIError:
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     kind = first.get("type", "")
+    if kind == "invalid_unicode":
+        field = first["ctx"]["field"]
+        return APIError(400, first["msg"], param=field.split(".")[0].split("[")[0], code="invalid_unicode")
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "invalid JSON")
         return APIError(400, f"malformed JSON body: {detail}", code="invalid_json")
@@ -46,6 +51,48 @@ def validation_error(errors: list[dict]) -> APIError:
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+def invalid_unicode(value, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` that is no valid Unicode (a lone
+    surrogate cannot be encoded), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, BaseModel):
+        value = {**{name: getattr(value, name) for name in type(value).model_fields}, **(value.model_extra or {})}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode()  # a path naming a bad key prints
+            inner = f"{path}.{name}" if path else name
+            found = invalid_unicode(key, inner) or invalid_unicode(item, inner)
+            if found:
+                return found
+    elif isinstance(value, list):
+        if set(map(type, value)) <= {int, float, bool, type(None)}:  # token ids: no strings inside (at C speed)
+            return None
+        for i, item in enumerate(value):
+            found = invalid_unicode(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Request(_Open):
+    """A request body: its strings checked for valid Unicode once the fields are."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        field = invalid_unicode(self)
+        if field is not None:
+            raise PydanticCustomError("invalid_unicode", "{field}: invalid Unicode (a lone surrogate such as "
+                                      "\\ud800); send UTF-8 text", {"field": field})
+        return self
 
 
 def _empty(value) -> bool:
@@ -97,10 +144,10 @@ class StreamOptions(_Open):
                                                             "far of its choice.")
 
 
-class _GenerationRequest(_Open):
+class _GenerationRequest(_Request):
     """Fields shared by completions and chat; `None` means "the engine's default"."""
 
-    model: str
+    model: str | None = Field(None, description="Optional (vLLM): the served model when left out.")
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -189,6 +236,10 @@ class CompletionRequest(_GenerationRequest):
     def logprobs_width(self) -> int | None:
         return self.logprobs
 
+    def logprob_widths(self) -> dict[str, int | None]:
+        """Each field asking for logprobs: how many alternatives."""
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_tokens
@@ -257,6 +308,9 @@ class ChatCompletionRequest(_GenerationRequest):
     def logprobs_width(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def logprob_widths(self) -> dict[str, int | None]:
+        return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -283,3 +337,44 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError(400, "continue_final_message: not with add_generation_prompt=true",
                            param="continue_final_message")
         return ignored
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's ``/tokenize`` of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = Field(False, description="Also each token's vocabulary entry.")
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's ``/tokenize`` of chat messages, rendered by the chat template as a chat completion would be."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+    def check(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message: not with add_generation_prompt=true",
+                           param="continue_final_message")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_template_kwargs(body) -> dict:
+    """What a chat request asks of the template beside its messages."""
+    kwargs = dict(body.chat_template_kwargs or {}, add_generation_prompt=body.add_generation_prompt,
+                  continue_final_message=body.continue_final_message)
+    if body.documents is not None:
+        kwargs["documents"] = body.documents
+    return kwargs

@@ -2,12 +2,14 @@
 a message (its thinking as ``reasoning_content`` with a reasoning parser), chat logprobs, and vLLM's echo of the
 last message when the reply continues it."""
 
+import time
+
 from fastapi import Request
 
 from zipage_jax.engine.messages import Accepted
 from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.entrypoints import logprob_formats
-from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest
+from zipage_jax.entrypoints.protocol import ChatCompletionRequest, chat_template_kwargs
 from zipage_jax.entrypoints.reasoning import ReasoningParser
 from zipage_jax.entrypoints.serving_engine import ChoiceStream, OpenAIServing, RequestView
 
@@ -18,31 +20,19 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object = "chat.completion.chunk"
     prompt_field = "messages"
 
-    def __init__(self, async_engine, tokenizer, model_name: str, reasoning: ReasoningParser | None):
-        super().__init__(async_engine, tokenizer, model_name)
+    def __init__(self, async_engine, tokenizing, settings, reasoning: ReasoningParser | None):
+        super().__init__(async_engine, tokenizing, settings)
         self.reasoning = reasoning
 
     async def create(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
         request_id = self.start(body)
-        prompt = self.render(body)
+        prompt = await self.tokenizing.render_chat([m.as_template_message() for m in body.messages],
+                                                   **chat_template_kwargs(body))
         # Special tokens are not added by default: the chat template places them, as vLLM does.
-        ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
-        group = await self.submit(request_id, body, [ids])
+        ids = await self.tokenizing.encode(prompt, body.add_special_tokens, field=None)
+        group = await self.submit(request_id, body, [ids], arrival)
         return await self.respond(request_id, ChatView(self, body, group.accepted[:1], prompt), group, request)
-
-    def render(self, body: ChatCompletionRequest) -> str:
-        messages = [m.as_template_message() for m in body.messages]
-        kwargs = dict(body.chat_template_kwargs or {}, add_generation_prompt=body.add_generation_prompt,
-                      continue_final_message=body.continue_final_message, tokenize=False)
-        if body.documents is not None:
-            kwargs["documents"] = body.documents
-        try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
-            if not isinstance(text, str):
-                raise TypeError("chat_template_kwargs: the template did not render text")
-        except Exception as exc:  # the template runs on the client's input: whatever it raises is a bad request
-            raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from exc
-        return text
 
 
 class ChatView(RequestView):

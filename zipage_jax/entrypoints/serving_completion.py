@@ -1,6 +1,8 @@
 """``/v1/completions`` (vLLM's ``serving_completion``): a prompt or a batch of prompts, text or token ids, each with
 ``n`` choices; echo (the prompt before its completion, with its logprobs) and OpenAI's completion logprobs."""
 
+import time
+
 from fastapi import Request
 
 from zipage_jax.engine.messages import Accepted
@@ -16,11 +18,15 @@ class OpenAIServingCompletion(OpenAIServing):
     prompt_field = "prompt"
 
     async def create(self, body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
         request_id = self.start(body)
         prompts = body.prompt_batch()
-        ids = [self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else list(p)
+        for text in prompts:
+            if isinstance(text, str):
+                self.tokenizing.check_chars([text], "prompt")  # every prompt, before any is tokenized
+        ids = [await self.tokenizing.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p)
                for p in prompts]
-        group = await self.submit(request_id, body, ids)
+        group = await self.submit(request_id, body, ids, arrival)
         texts = [p if isinstance(p, str) else None for p in prompts]
         return await self.respond(request_id, CompletionView(self, body, group.accepted[::body.n], ids, texts), group,
                                   request)
@@ -38,7 +44,7 @@ class CompletionView(RequestView):
         """What echo puts before a completion: the prompt's text, ids and logprobs (null where not computed)."""
         p = index // self.body.n
         if self.texts[p] is None:
-            self.texts[p] = self.serving.tokenizer.decode(self.prompt_ids[p])
+            self.texts[p] = self.serving.tokenizing.tokenizer.decode(self.prompt_ids[p])
         ids = self.prompt_ids[p]
         return self.texts[p], list(ids), list(output.prompt_logprobs or [None] * len(ids))
 

@@ -1,13 +1,14 @@
-"""What completions and chat share (vLLM's ``serving_engine``): a request's id, its SamplingParams, submitting its
-choices to the engine (which validates them: the server does not check a prompt or a budget itself), collecting
-their outputs or streaming them as server-sent events, usage.
+"""What completions and chat share (vLLM's ``serving_engine``): a request's id, its SamplingParams (the server's
+sampling defaults under what the client set), submitting its choices to the engine (which validates them: the
+server checks no prompt or budget itself, beyond the prompt's characters), collecting their outputs or streaming
+them as server-sent events, usage.
 
 Each route adds its own wire format: a `RequestView` (how a request's choices read) and a `ChoiceStream` (how one
 choice streams), in ``serving_completion`` and ``serving_chat``.
 """
 
 import asyncio
-import functools
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,8 @@ from zipage_jax.engine.messages import Accepted, NewRequest, Refused, field_of
 from zipage_jax.engine.request_group import ChoiceOutput, EngineStepError, RequestGroup
 from zipage_jax.entrypoints import logprob_formats
 from zipage_jax.entrypoints.protocol import APIError
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.entrypoints.tokenizing import Tokenizing
+from zipage_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,19 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSettings:
+    """What every route shares of the server's options. ``model_names``: the ids a request may name (the first is
+    the one responses carry); ``sampling_defaults``: SamplingParams fields for what a request leaves unset (the
+    model's generation config, ``sampling_defaults``); ``max_logprobs``: the most logprobs a request may ask."""
+
+    model_names: tuple[str, ...]
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 class RequestView:
@@ -144,12 +159,14 @@ class OpenAIServing:
     chunk_object: str
     prompt_field: str  # the body field a prompt error names
 
-    def __init__(self, async_engine: AsyncEngine, tokenizer, model_name: str):
-        self.async_engine, self.tokenizer, self.model_name = async_engine, tokenizer, model_name
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+    def __init__(self, async_engine: AsyncEngine, tokenizing: Tokenizing, settings: ServingSettings):
+        self.async_engine, self.tokenizing, self.settings = async_engine, tokenizing, settings
+        self.model_name = settings.model_names[0]
+        self.token_text = tokenizing.token_text  # one token's text, memoized (logprobs' labels)
 
-    def check_model(self, model: str):
-        if model != self.model_name:
+    def check_model(self, model: str | None):
+        """A request may leave ``model`` out (vLLM), or name any served name."""
+        if model is not None and model not in self.settings.model_names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
@@ -159,14 +176,17 @@ class OpenAIServing:
         self.check_model(body.model)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         ignored = body.check()
+        for field, width in body.logprob_widths().items():
+            if width is not None and width > self.settings.max_logprobs:
+                raise APIError(400, f"{field}: {width} exceeds this server's --max-logprobs of "
+                                    f"{self.settings.max_logprobs}", param=field)
         if ignored:
             log.warning("%s: ignored fields this server does not use: %s", request_id, ", ".join(ignored))
         return request_id
 
-    @staticmethod
-    def sampling_params(body, max_tokens: int | None, choice: int) -> SamplingParams:
-        kwargs = dict(body.sampling_kwargs(), max_tokens=max_tokens, logprobs=body.logprobs_width,
-                      prompt_logprobs=body.prompt_logprobs_width)
+    def sampling_params(self, body, max_tokens: int | None, choice: int) -> SamplingParams:
+        kwargs = dict(self.settings.sampling_defaults, **body.sampling_kwargs(), max_tokens=max_tokens,
+                      logprobs=body.logprobs_width, prompt_logprobs=body.prompt_logprobs_width)
         if body.seed is not None:
             kwargs["seed"] = body.seed + choice  # distinct but reproducible choices, like LLM.generate
         try:
@@ -174,19 +194,25 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param=field_of(exc)) from exc
 
-    async def submit(self, request_id: str, body, prompts: list[list[int]]) -> RequestGroup:
+    async def submit(self, request_id: str, body, prompts: list[list[int]], arrival: float) -> RequestGroup:
         """Queue ``n`` choices per prompt, all or none (``RequestGroup.accepted``: what the engine queued of each,
-        truncated where ``truncate_prompt_tokens`` asks). ``max_tokens`` goes as the client asked it: the engine
-        fits it to the context or refuses the request, a refusal this answers with a 400."""
-        max_tokens = 1 if body.echo_only else body.max_output_tokens
+        truncated where ``truncate_prompt_tokens`` asks). ``max_tokens`` goes as the client asked it (or as the
+        sampling defaults say, where it asked none): the engine fits it to the context or refuses the request, a
+        refusal this answers with a 400. ``arrival``: when the request came (``time.monotonic()``)."""
+        max_tokens = body.max_output_tokens
+        if max_tokens is None:
+            max_tokens = self.settings.sampling_defaults.get("max_tokens")
+        max_tokens = 1 if body.echo_only else max_tokens
         params = [self.sampling_params(body, max_tokens, j) for j in range(body.n)]
         requests = [NewRequest(f"{request_id}-{p * body.n + j}", ids, params[j])
                     for p, ids in enumerate(prompts) for j in range(body.n)]
         if len(requests) > self.async_engine.capacity:
             raise APIError(400, f"n: {len(requests)} choices exceed this server's capacity of "
                                 f"{self.async_engine.capacity}", param="n")
+        if self.settings.log_requests:
+            self.log_request(request_id, prompts, params[0])
         try:
-            group = await self.async_engine.submit(requests)
+            group = await self.async_engine.submit(requests, arrival)
         except QueueFullError as exc:
             raise APIError(429, f"Too many requests: {exc}.", type="rate_limit_error", code="queue_full") from exc
         except EngineUnavailableError as exc:
@@ -194,6 +220,12 @@ class OpenAIServing:
         except RequestRefused as exc:
             raise self.refusal(exc.refused) from exc
         return group
+
+    def log_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams):
+        """--enable-log-requests: one line per request (its prompts' tokens up to --max-log-len)."""
+        shown = [ids[:self.settings.max_log_len] if self.settings.max_log_len is not None else ids for ids in prompts]
+        log.info("Received request %s: %d prompt(s) of %s tokens, params: %s, prompt_token_ids: %s", request_id,
+                 len(prompts), [len(ids) for ids in prompts], params, shown)
 
     def refusal(self, refused: Refused) -> APIError:
         """The engine's refusal as a 400 naming the field (a context overflow in vLLM's words and code)."""
