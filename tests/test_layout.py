@@ -16,7 +16,7 @@ PACKAGE = ROOT / "zipage_jax"
 
 # lowest first; a module may import from its own layer or any below
 LAYERS = (
-    ("config", "sampling_params"),              # settings, plain Python
+    ("config", "sampling_params", "structured_output"),  # settings; grammars on the host (plain Python)
     ("parallel", "core"),                       # the device mesh; host bookkeeping (no jax)
     ("models", "compression"),                  # device math
     ("layers",),                                # the kernel interface and sampling, shared by models and worker

@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLMEngine": "zipage_jax.engine.llm_engine",
     "EngineConfig": "zipage_jax.config",
     "SamplingParams": "zipage_jax.sampling_params",
+    "StructuredOutputsParams": "zipage_jax.structured_output.params",
     "RequestOutput": "zipage_jax.engine.outputs",
     "CompletionOutput": "zipage_jax.engine.outputs",
 }

@@ -12,12 +12,15 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from zipage_jax.structured_output.params import StructuredOutputsParams
+
 # Below this a temperature is indistinguishable from argmax and only risks overflow (vLLM uses the same).
 GREEDY_TEMPERATURE = 1e-5
 # Most alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`): vLLM's default
 # `max_logprobs` and OpenAI's limit; the device computes this many for every sampled token.
 MAX_LOGPROBS = 20
 _PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's; vLLM clamps to it
 
 
 def _real(name: str, value, lo: float | None = None, hi: float | None = None,
@@ -55,7 +58,9 @@ class SamplingParams:
     (disabled). `logprobs=N` returns, for each output token, its logprob and rank and the N most likely
     alternatives (0: the token's alone; True means 0); `prompt_logprobs=N` the same for every prompt token after
     the first (a request asking for them computes its whole prompt: it does not use the prefix cache).
-    `truncate_prompt_tokens=K` keeps a prompt's last K tokens. `max_tokens=None` generates until the context
+    `structured_outputs` constrains the output (``StructuredOutputsParams``: a JSON schema, regex, choice or grammar);
+    `logit_bias` ({token id: bias}, clamped to [-100, 100] as vLLM does) is added to the logits before sampling, and
+    kept as sorted ``(id, bias)`` pairs. `truncate_prompt_tokens=K` keeps a prompt's last K tokens. `max_tokens=None` generates until the context
     (`max_model_len`) ends, as in vLLM. Use `dataclasses.replace(params, ...)` to derive
     a modified copy (it is validated again).
     """
@@ -81,6 +86,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     kv_budget_pages: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self):
         def put(name, value):
@@ -119,6 +126,9 @@ class SamplingParams:
             put("truncate_prompt_tokens", check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1))
         if self.kv_budget_pages is not None:
             put("kv_budget_pages", check_int("kv_budget_pages", self.kv_budget_pages, lo=1))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+        put("logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +139,21 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
+        token = check_int("logit_bias", item[0], lo=0)
+        out[token] = min(max(_real("logit_bias", item[1]), LOGIT_BIAS_RANGE[0]), LOGIT_BIAS_RANGE[1])
+    return tuple(sorted(out.items()))
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
