@@ -12,6 +12,7 @@ output tokens, so its matcher never rolls back; a request that ends drops its ma
 """
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -117,13 +118,24 @@ class StructuredOutputManager:
             return None
         masks = np.full((len(rows) + len(stale), self.words), -1, np.int32)
         words = masks.view(np.uint32)
+        if len(active) > 1:  # on llguidance's threads, outside the GIL
+            llnp.fill_next_token_bitmask_par(self.executor, [(g.matcher, i) for i, (_, g) in enumerate(active)],
+                                             masks)
+        elif active:
+            llnp.fill_next_token_bitmask(active[0][1].matcher, masks, 0)
         for i, (row, (request_id, grammar)) in enumerate(zip(rows, active)):
-            llnp.fill_next_token_bitmask(grammar.matcher, masks, i)
             if grammar.matcher.is_accepting():  # every end-of-sequence id of the model ends a complete output
                 for eos in self.eos_token_ids:
                     words[i, eos // 32] |= np.uint32(1 << (eos % 32))
             self._dirty[row] = request_id
         return TokenBitmask(np.asarray(rows + stale, np.int32), masks)
+
+    @functools.cached_property
+    def executor(self):
+        """llguidance's thread pool for the masks of a batch."""
+        import llguidance
+
+        return llguidance.LLExecutor()
 
     # -- the tokenizer -------------------------------------------------------------------------------------
     @property
