@@ -36,7 +36,9 @@ PROMPTS = ["12+7=", "3+45=", "99+1=", "8+8=", "40+2=", "17+26="]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(page_size=16, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, compilation_cache_dir=None)
+    """Compressed at 4 pages of 16 tokens, in a pool small enough that the batches below preempt (hybrid admission)."""
+    return LLM(page_size=16, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, compression=True,
+               kv_budget_pages=4, num_gpu_pages_override=40, admission="hybrid", compilation_cache_dir=None)
 
 
 def constrained(seed: int, max_tokens: int = 96, **kind) -> SamplingParams:
@@ -111,17 +113,18 @@ def test_bad_constraints_are_value_errors_naming_the_field(llm):
         SamplingParams(logit_bias={"7": 1.0})
 
 
-def test_constraints_survive_compression_and_preemption():
+def test_constraints_survive_compression_and_preemption(llm):
     """Evicting tokens changes nothing for the grammar (its state lives on the host), nor does a preemption (a
     recompute keeps the output tokens; a swap keeps everything) that moves a request to another token row."""
-    llm = LLM(page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, compression=True,
-              kv_budget_pages=4, num_gpu_pages_override=20, admission="hybrid", compilation_cache_dir=None)
+    before = llm.engine.stats()
     pattern = r"(\d\d,){70}"
-    outs = llm.generate(PROMPTS[:6], [constrained(s, max_tokens=240, regex=pattern) for s in range(6)],
+    outs = llm.generate(PROMPTS * 2, [constrained(s, max_tokens=240, regex=pattern) for s in range(12)],
                         use_tqdm=False)
     assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
-    stats = llm.engine.stats()
-    assert stats.totals["compressions"] > 0 and stats.scheduler.num_preemptions + stats.scheduler.num_swaps > 0
+    after = llm.engine.stats()
+    assert after.totals["compressions"] > before.totals["compressions"]
+    assert after.scheduler.num_preemptions + after.scheduler.num_swaps > before.scheduler.num_preemptions + \
+        before.scheduler.num_swaps
 
 
 def test_the_bitmask_masks_exactly_the_disallowed_tokens():
