@@ -8,13 +8,18 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_python_api_example_prints_what_the_readme_shows():
+def test_python_api_examples_print_what_the_readme_shows():
+    """The first example, then the structured-output one, which continues with its ``llm``."""
     section = README.read_text().split("## Python API", 1)[1]
     code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md", "exec"), {})
-    assert printed.getvalue() == shown
+    structured = section.split("### Structured outputs", 1)[1]
+    structured_code, structured_shown = re.findall(r"```(?:python)?\n(.*?)```", structured, re.S)[:2]
+    namespace = {}
+    for block, expected in ((code, shown), (structured_code, structured_shown)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(block, "README.md", "exec"), namespace)
+        assert printed.getvalue() == expected
     assert "\\boxed{3729825}" in shown and "\\boxed{1260463}" in shown  # 67815*55 and 30743*41
 
 
