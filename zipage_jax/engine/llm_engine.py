@@ -185,10 +185,9 @@ class LLMEngine:
             limits = self.worker.limits()
             self.scheduler.limit(limits)
             self._limited = limits is not None
-        structured = self._structured
-        early = {}
+        structured, early, early_s = self._structured, {}, 0.0
         if structured and structured.waits_for_tokens():
-            early, _ = self._read_back(self._in_flight)
+            early, early_s = self._read_back(self._in_flight)
             self._in_flight = []
         scheduled = self.scheduler.schedule()
         if structured:
@@ -200,6 +199,7 @@ class LLMEngine:
         self.scheduler.dispatched(result.handles, result.swapped_out)
         self.meter.totals["compressions"] += len(scheduled.compressions)
         changed, read_back_s = self._collect(result.handles, early)
+        read_back_s += early_s
         self.meter.totals["steps"] += 1
         if self.meter.due():
             self.meter.sample(self.stats())
