@@ -2,13 +2,16 @@
 
 Like vLLM's server, a request may carry fields this server does not declare: they are accepted and named in one
 warning per request (``ignored_fields``), so clients written for vLLM or OpenAI work unchanged. Fields vLLM
-implements and this server does not (structured output, tools, beam search, ...) are refused with a 400 when
-they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Declared fields are
+implements and this server does not (beam search, the legacy ``functions``, ...) are refused with a 400 when
+they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Structured outputs
+(``response_format``, ``structured_outputs``, vLLM's ``guided_*``) and tools are declared here and turned into the
+engine's constraint by ``structured_requests`` and ``tool_calls``. Declared fields are
 strict (no string-to-number coercion). Value ranges are left to `SamplingParams`, the single source of truth;
 its `ValueError`s become 400s too. Every string of a request, ignored fields included, must be valid Unicode (JSON
 may escape a lone surrogate, ``"\\ud800"``, which no tokenizer encodes): one that is not is a 400 naming it.
 """
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -103,20 +106,12 @@ def _empty(value) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any, "_GenerationRequest"], bool]] = {
     "best_of": lambda v, r: v is None or v == r.n,
     "use_beam_search": lambda v, r: v in (None, False),
-    "logit_bias": lambda v, r: _empty(v),
     "allowed_token_ids": lambda v, r: _empty(v),
     "bad_words": lambda v, r: _empty(v),
     "logits_processors": lambda v, r: _empty(v),
     "prompt_embeds": lambda v, r: _empty(v),
     "suffix": lambda v, r: _empty(v),
-    "response_format": lambda v, r: v is None or v == {"type": "text"},
-    "guided_json": lambda v, r: v is None,
-    "guided_regex": lambda v, r: v is None,
-    "guided_choice": lambda v, r: v is None,
-    "guided_grammar": lambda v, r: v is None,
     "structural_tag": lambda v, r: v is None,
-    "tools": lambda v, r: _empty(v),
-    "tool_choice": lambda v, r: v in (None, "none", "auto"),
     "functions": lambda v, r: _empty(v),
     "function_call": lambda v, r: v in (None, "none", "auto"),
     "chat_template": lambda v, r: v is None,
@@ -142,6 +137,32 @@ class StreamOptions(_Open):
                                                   "default when stream_options is given).")
     continuous_usage_stats: bool = Field(False, description="Extension (vLLM): every chunk carries the usage so "
                                                             "far of its choice.")
+
+
+class StructuredOutputsRequest(_Open):
+    """vLLM's ``structured_outputs`` field: exactly one of ``json`` (a JSON schema), ``regex``, ``choice``,
+    ``grammar`` (Lark or GBNF), ``json_object``."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Open):
+    """OpenAI's ``response_format.json_schema``: the schema and its name (``strict`` is how the schema is always
+    applied here: the grammar allows nothing else)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` is a BaseModel method
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _GenerationRequest(_Request):
@@ -178,6 +199,17 @@ class _GenerationRequest(_Request):
         None, description="Extension: the most KV pages one choice may hold; older tokens are evicted "
                           "(compressed) to stay within it.")
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a string, as OpenAI sends it) -> a bias added to its logit, clamped to "
+                          "[-100, 100].")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON valid against json_schema.schema.")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="Extension (vLLM): the output satisfies one of json, regex, choice, grammar, json_object.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension (vLLM): a JSON schema.")
+    guided_regex: str | None = Field(None, description="Extension (vLLM): a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="Extension (vLLM): one of these strings.")
+    guided_grammar: str | None = Field(None, description="Extension (vLLM): a Lark or GBNF grammar.")
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (everything else keeps the engine default)."""
@@ -272,6 +304,9 @@ class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant message's calls (OpenAI's "
+                                                                      "shape), shown to the chat template.")
+    tool_call_id: str | None = Field(None, description="A tool message's call.")
 
     @property
     def text(self) -> str:
@@ -280,8 +315,47 @@ class ChatMessage(_Open):
         return "".join(p.text for p in self.content)
 
     def as_template_message(self) -> dict:
-        """What a chat template expects: role + plain string content ("developer" is OpenAI's new "system")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        """What a chat template expects: role + plain string content ("developer" is OpenAI's new "system"), and
+        an assistant's tool calls with their arguments as objects (vLLM parses them: templates write them with
+        ``tojson``) and a tool message's call id."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _template_call(call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class FunctionDefinition(_Open):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class ChatTool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -303,6 +377,12 @@ class ChatCompletionRequest(_GenerationRequest):
     documents: list[dict[str, str]] | None = Field(None, description="Extension: documents for the chat template.")
     include_reasoning: bool = Field(True, description="Extension: with --reasoning-parser, return the thinking "
                                                       "as reasoning_content.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call (the chat template gets "
+                                                           "them).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (with --enable-auto-tool-choice; the default with tools), required (at least "
+                          "one call, forced by the grammar) or a named function (its arguments, forced).")
+    parallel_tool_calls: bool | None = Field(None, description="false: only the first tool call is returned.")
 
     @property
     def logprobs_width(self) -> int | None:

@@ -1,0 +1,327 @@
+"""Structured outputs and tool calls through the server: the request fields as the engine's constraint (one per
+request, a bad one a 400 naming the field the client used), the hermes parser, replies' tool calls whole and
+streamed (a stream cut anywhere reassembles to the unstreamed reply), and end to end with the `openai` client on the
+shipped model, whose free text is meaningless outside arithmetic: the grammar alone makes each output valid, which
+the tests check with `jsonschema` and `re`, never by string equality.
+"""
+
+import json
+import re
+import types
+
+import jsonschema
+import openai
+import pytest
+
+from live_server import live_server
+from seeds import seeded_rng
+from zipage_jax.engine.engine_core import Reported, output_delta
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.engine.messages import Accepted
+from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from zipage_jax.engine.request_group import ChoiceOutput
+from zipage_jax.entrypoints import structured_requests
+from zipage_jax.entrypoints.cli_args import parse_args
+from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from zipage_jax.entrypoints.reasoning import ReasoningParser
+from zipage_jax.entrypoints.serving_chat import ChatView
+from zipage_jax.entrypoints.tool_calls import ToolPlan, ToolSettings, array_calls
+from zipage_jax.entrypoints.tool_parsers import FunctionCall, HermesParser
+
+TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
+AUTO = ToolSettings(auto=True, parser="hermes")
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+CALC = {"type": "object", "properties": {"op": {"enum": ["add", "mul"]},
+                                         "args": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 99},
+                                                  "minItems": 1, "maxItems": 3}},
+        "required": ["op", "args"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "calc", "parameters": CALC}}]
+NESTED = {  # objects, arrays, enums, required fields; every part bounded, so a reply fits the small context
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["add", "mul", "sub"]},
+        "args": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 1,
+                 "maxItems": 3},
+        "meta": {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                  "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                           "maxItems": 2}},
+                 "required": ["ok", "tags"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "args", "meta"], "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "What is 12*3?"}]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+# -- the request's constraint -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,field,kind", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": WEATHER, "strict": True}}},
+     "response_format", "json"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs", "choice"),
+    ({"structured_outputs": {"grammar": 'start: "yes" | "no"'}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"json": json.dumps(WEATHER)}}, "structured_outputs", "json"),
+    ({"guided_json": WEATHER}, "guided_json", "json"),
+    ({"guided_regex": "a+"}, "guided_regex", "regex"),
+    ({"guided_choice": ["x", "y", "z"]}, "guided_choice", "choice"),
+    ({"guided_grammar": 'root ::= "a" | "b"'}, "guided_grammar", "grammar"),
+])
+def test_each_field_is_one_constraint_named_by_it(fields, field, kind):
+    found = structured_requests.requested(chat(**fields))
+    assert [name for name, _ in found] == [field]
+    params = structured_requests.compile_constraint(found, "</think>")
+    assert params.kind == kind and params.reasoning_end == "</think>"
+
+
+def test_no_constraint_and_text_format_ask_for_nothing():
+    assert structured_requests.requested(chat()) == []
+    assert structured_requests.requested(chat(response_format={"type": "text"})) == []
+    assert structured_requests.compile_constraint([], None) is None
+
+
+@pytest.mark.parametrize("fields,param,fragment", [
+    ({"guided_regex": "a(b"}, "guided_regex", "guided_regex: invalid regular expression"),
+    ({"guided_json": {"type": "foo"}}, "guided_json", "guided_json: invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"required": "a"}}}},
+     "response_format", "response_format: invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, "response_format", "schema"),
+    ({"guided_grammar": "start: nothing"}, "guided_grammar", "invalid grammar"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+])
+def test_a_bad_constraint_is_a_400_naming_the_clients_field(fields, param, fragment):
+    with pytest.raises(APIError) as error:
+        structured_requests.compile_constraint(structured_requests.requested(chat(**fields)), None)
+    assert error.value.status == 400 and error.value.param == param and fragment in error.value.message
+
+
+def test_logit_bias_keys_become_token_ids():
+    assert structured_requests.logit_bias(CompletionRequest(prompt="x", logit_bias={"5": 10, "50256": -100})) == \
+        {5: 10.0, 50256: -100.0}
+    assert structured_requests.logit_bias(CompletionRequest(prompt="x", logit_bias={})) is None
+    with pytest.raises(APIError) as error:
+        structured_requests.logit_bias(CompletionRequest(prompt="x", logit_bias={"-3": 1}))
+    assert error.value.param == "logit_bias"
+
+
+# -- tool choice ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,settings,param,fragment", [
+    ({"tools": TOOLS}, ToolSettings(), "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice'),
+    ({"tools": TOOLS, "tool_choice": "auto"}, ToolSettings(), "tool_choice", "--tool-call-parser"),
+    ({"tool_choice": "required"}, AUTO, "tool_choice", "`tools` must be set"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, AUTO, "tool_choice",
+     "does not match"),
+    ({"tools": []}, AUTO, "tools", "empty"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 1}}}],
+      "tool_choice": "none"}, AUTO, "tools", "tools[0].function.parameters: invalid JSON schema"),
+])
+def test_tool_choice_is_checked_as_vllm_checks_it(fields, settings, param, fragment):
+    with pytest.raises(APIError) as error:
+        ToolPlan.of(chat(**fields), settings)
+    assert error.value.status == 400 and error.value.param == param and fragment in error.value.message
+
+
+def test_tool_modes_and_their_constraints():
+    assert ToolPlan.of(chat(), ToolSettings()) is None
+    assert ToolPlan.of(chat(tools=TOOLS, tool_choice="none"), ToolSettings()).constraint() is None
+    assert ToolPlan.of(chat(tools=TOOLS), AUTO).mode == "auto"
+    named = ToolPlan.of(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "calc"}}), AUTO)
+    assert named.constraint() == ("tool_choice", {"json": CALC})
+    field, kwargs = ToolPlan.of(chat(tools=TOOLS, tool_choice="required"), ToolSettings()).constraint()
+    schema = kwargs["json"]
+    assert field == "tool_choice" and schema["minItems"] == 1
+    good = [{"name": "calc", "parameters": {"op": "add", "args": [1, 2]}},
+            {"name": "weather", "parameters": {"city": "Oslo", "unit": "c"}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "calc", "parameters": {"city": "Oslo", "unit": "c"}}], [{"name": "other"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert structured_requests.compile_constraint([(field, kwargs)], None).kind == "json"
+
+
+def test_required_hoists_the_tools_defs_to_where_their_references_resolve():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}, "required": ["p"],
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}}}
+    _, kwargs = ToolPlan.of(chat(tools=[tool], tool_choice="required"), ToolSettings()).constraint()
+    assert "point" in kwargs["json"]["$defs"]
+    jsonschema.validate([{"name": "f", "parameters": {"p": {"x": 1}}}], kwargs["json"])
+    structured_requests.compile_constraint([("tool_choice", kwargs)], None)
+
+
+def test_settings_need_a_parser_for_auto():
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        ToolSettings(auto=True)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ToolSettings(parser="nope")
+    _, args = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parse_args(["--enable-auto-tool-choice"])
+
+
+def test_template_messages_carry_tool_calls_with_their_arguments_as_objects():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"op": "add", "args": [1]}'}}
+    body = chat(messages=[*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "1"}])
+    assistant, tool = (m.as_template_message() for m in body.messages[1:])
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"op": "add", "args": [1]}
+    assert tool == {"role": "tool", "content": "1", "tool_call_id": "c1"}
+
+
+# -- the hermes parser ---------------------------------------------------------------------------------------------
+HERMES = '<tool_call>\n{"name": "calc", "arguments": {"op": "add", "args": [1, 2]}}\n</tool_call>'
+
+
+def test_hermes_extracts_a_complete_call():
+    assert HermesParser().extract(HERMES) == (None, [FunctionCall("calc", '{"op": "add", "args": [1, 2]}')])
+
+
+def test_hermes_extracts_several_calls_after_text_and_an_unclosed_last():
+    text = ("Let me see. " + HERMES + "\n" +
+            '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "unit": "c"}}')
+    content, calls = HermesParser().extract(text)
+    assert content == "Let me see. " and [c.name for c in calls] == ["calc", "weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Oslo", "unit": "c"}
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "calc", "arguments": {"op": </tool_call>',
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',
+    HERMES + '<tool_call>not json</tool_call>',
+    "plain <tool text",
+])
+def test_hermes_leaves_malformed_calls_as_content(text):
+    assert HermesParser().extract(text) == (text, [])
+
+
+def test_hermes_scan_holds_a_partial_tag_and_sends_closed_calls():
+    parser = HermesParser()
+    assert parser.scan("hello <tool_") == (len("hello "), [])
+    assert parser.scan("hello " + HERMES[:30]) == (len("hello "), [])
+    assert parser.scan("hi " + HERMES + "<tool_call>{") == (3, [FunctionCall("calc", '{"op": "add", "args": [1, 2]}')])
+
+
+def test_array_calls_reads_complete_items_only():
+    text = '[{"name": "calc", "parameters": {"op": "add", "args": [1]}}, {"name": "weather", "parameters": {"ci'
+    calls, closed = array_calls(text)
+    assert [c.name for c in calls] == ["calc"] and not closed
+    calls, closed = array_calls('[{"name": "a]}", "parameters": {"s": "\\"}]"}}]')
+    assert closed and calls == [FunctionCall("a]}", '{"s": "\\"}]"}')]
+
+
+# -- replies, whole and streamed -----------------------------------------------------------------------------------
+def view(fields: dict, settings=AUTO, reasoning: str | None = None, prompt: str = "<|im_start|>assistant\n"):
+    serving = types.SimpleNamespace(reasoning=ReasoningParser(reasoning) if reasoning else None, token_text=str)
+    body = chat(**fields)
+    return ChatView(serving, body, [Accepted(2)], prompt, ToolPlan.of(body, settings))
+
+
+def finished(reply: str, finish: str = "stop") -> ChoiceOutput:
+    output = ChoiceOutput()
+    completion = CompletionOutput(0, reply, list(range(len(reply))), None, None, finish)
+    output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], True), Reported()))
+    return output
+
+
+def streamed(fields: dict, reply: str, cuts: list[int], finish: str = "stop", **kw) -> dict:
+    """The message and finish reason the deltas of ``reply`` cut at ``cuts`` reassemble to."""
+    stream = view(fields, **kw).stream(0)
+    output, reported, calls = ChoiceOutput(), Reported(), {}
+    content, reasoning, finish_reason = "", "", None
+    for i, end in enumerate(cuts + [len(reply)]):
+        last = i == len(cuts)
+        completion = CompletionOutput(0, reply[:end], list(range(end)), None, None, finish if last else None)
+        output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], last), reported))
+        chunk = stream.chunk(output)
+        if chunk is None:
+            continue
+        delta = chunk["delta"]
+        content += delta.get("content", "")
+        reasoning += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", []):
+            if "id" in call:  # a call's first delta: its id, type and name
+                assert call["index"] not in calls and call["type"] == "function"
+                calls[call["index"]] = {"name": call["function"]["name"], "arguments": ""}
+            calls[call["index"]]["arguments"] += call["function"].get("arguments", "")
+        finish_reason = chunk["finish_reason"]
+    return {"content": content or None, "reasoning": reasoning or None, "finish_reason": finish_reason,
+            "calls": [calls[i] for i in sorted(calls)]}
+
+
+def whole(fields: dict, reply: str, finish: str = "stop", **kw) -> dict:
+    choice = view(fields, **kw).choice(0, finished(reply, finish))
+    message = choice["message"]
+    for call in message["tool_calls"]:
+        assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    return {"content": message["content"], "reasoning": message.get("reasoning_content"),
+            "finish_reason": choice["finish_reason"], "calls": [call["function"] for call in message["tool_calls"]]}
+
+
+NAMED = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calc"}}}
+REPLIES = [  # (request fields, reasoning parser, reply, finish, the reply's content, calls and finish reason)
+    ({"tools": TOOLS}, None, "Let me see. " + HERMES, "stop",
+     "Let me see. ", [("calc", '{"op": "add", "args": [1, 2]}')], "tool_calls"),
+    ({"tools": TOOLS}, None, HERMES + "\n" + HERMES.replace("calc", "calc"), "stop", None,
+     [("calc", '{"op": "add", "args": [1, 2]}')] * 2, "tool_calls"),
+    ({"tools": TOOLS}, None, "no call <tool here", "stop", "no call <tool here", [], "stop"),
+    ({"tools": TOOLS}, None, "a" + HERMES[:-5], "length", "a" + HERMES[:-5], [], "length"),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, None, HERMES + HERMES, "stop", None,
+     [("calc", '{"op": "add", "args": [1, 2]}')], "tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required"}, None,
+     '[{"name": "weather", "parameters": {"city": "O\\"slo", "unit": "c"}}, {"name": "calc", "parameters": '
+     '{"op":"mul","args":[3]}}]', "stop", None,
+     [("weather", '{"city": "O\\"slo", "unit": "c"}'), ("calc", '{"op": "mul", "args": [3]}')], "tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required"}, None,
+     '[{"name": "calc", "parameters": {"op": "add", "args": [1]}}, {"name": "wea', "length", None,
+     [("calc", '{"op": "add", "args": [1]}')], "length"),
+    (NAMED, None, '{"op": "add", "args": [7]}', "stop", None, [("calc", '{"op": "add", "args": [7]}')], "stop"),
+    (NAMED, "qwen3", '<think>1+1</think>{"op":"add","args":[2]}', "stop", None,
+     [("calc", '{"op":"add","args":[2]}')], "stop"),
+    (NAMED, "qwen3", "<think>never done", "length", None, [], "length"),
+    ({"tools": TOOLS, "tool_choice": "none"}, None, HERMES, "stop", HERMES, [], "stop"),
+    ({"tools": TOOLS}, "deepseek_r1", "hmm " + HERMES[:11] + "</think>ok " + HERMES, "stop", "ok ",
+     [("calc", '{"op": "add", "args": [1, 2]}')], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("fields,reasoning,reply,finish,content,calls,finish_reason", REPLIES)
+def test_a_reply_and_its_stream_cut_anywhere_give_the_same_calls(fields, reasoning, reply, finish, content, calls,
+                                                                 finish_reason):
+    want = whole(fields, reply, finish, reasoning=reasoning)
+    assert (want["content"], want["finish_reason"]) == (content, finish_reason)
+    assert [(c["name"], c["arguments"]) for c in want["calls"]] == calls
+    rng = seeded_rng()
+    cut_sets = [[cut] for cut in range(len(reply) + 1)] + [list(range(len(reply) + 1))]
+    cut_sets += [sorted(rng.choice(len(reply) + 1, size=min(6, len(reply)), replace=False).tolist())
+                 for _ in range(10)]
+    for cuts in cut_sets:
+        assert streamed(fields, reply, cuts, finish, reasoning=reasoning) == want, cuts
+
+
+def test_a_named_functions_arguments_stream_as_they_come():
+    stream = view(NAMED).stream(0)
+    output, reported, deltas = ChoiceOutput(), Reported(), []
+    reply = '{"op": "add", "args": [7]}'
+    for end in range(1, len(reply) + 1):
+        last = end == len(reply)
+        completion = CompletionOutput(0, reply[:end], list(range(end)), None, None, "stop" if last else None)
+        output.apply(output_delta(RequestOutput("r", None, [1, 2], [completion], last), reported))
+        deltas.append(stream.chunk(output)["delta"])
+    first, *rest = deltas
+    assert first["tool_calls"][0]["function"] == {"name": "calc", "arguments": "{"}
+    assert all(d["tool_calls"] == [{"index": 0, "function": {"arguments": reply[i + 1]}}] for i, d in enumerate(rest))
