@@ -325,3 +325,149 @@ def test_a_named_functions_arguments_stream_as_they_come():
     first, *rest = deltas
     assert first["tool_calls"][0]["function"] == {"name": "calc", "arguments": "{"}
     assert all(d["tool_calls"] == [{"index": 0, "function": {"arguments": reply[i + 1]}}] for i, d in enumerate(rest))
+
+
+# -- end to end: the openai client against the shipped model ----------------------------------------------------
+TOOLS_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\ntools: ' + (tools | map(attribute='function.name') | join(', '))"
+                  " + '<|im_end|>\\n' }}{%- endif %}"
+                  "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                  "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                  "{%- endif %}")  # the shipped model's template, with the tools' names in a system turn (the whole
+# tools would not fit its context)
+
+
+@pytest.fixture(scope="module")
+def live():
+    engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=32, page_size=16, max_model_len=512,
+                                   max_num_batched_tokens=256, dtype="float32", max_num_prefill_seqs=8,
+                                   num_gpu_pages_override=1024)
+    with live_server(engine, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                     chat_template=TOOLS_TEMPLATE) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.client()
+
+
+def test_json_schema_output_validates_in_20_of_20(client):
+    reply = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, n=20, temperature=1.0, seed=1, max_tokens=400,
+        response_format={"type": "json_schema", "json_schema": {"name": "op", "schema": NESTED, "strict": True}})
+    assert len(reply.choices) == 20
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), NESTED)
+
+
+def test_guided_choice_is_one_of_the_three(client):
+    options = ["apple pie", "banana", "cherry"]
+    reply = client.chat.completions.create(model="tiny-reasoner", messages=MESSAGES, n=8, temperature=1.0, seed=2,
+                                           max_tokens=50, extra_body={"guided_choice": options})
+    for choice in reply.choices:
+        assert choice.message.content in options and choice.finish_reason == "stop"
+
+
+def test_regex_output_matches(client):
+    pattern = r"[A-Z][a-z]{2,5}-[0-9]{3}(\.[0-9])?"
+    reply = client.completions.create(model="tiny-reasoner", prompt="Code: ", n=8, temperature=1.0, seed=3,
+                                      max_tokens=50, extra_body={"structured_outputs": {"regex": pattern}})
+    for choice in reply.choices:
+        assert re.fullmatch(pattern, choice.text), choice.text
+
+
+def test_required_tool_call_arguments_validate_against_the_tools_parameters(client):
+    reply = client.chat.completions.create(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS,
+                                           tool_choice="required", n=4, temperature=1.0, seed=4, max_tokens=400)
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def reassembled(stream) -> tuple[list[tuple[str, str]], str]:
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    assert call.type == "function" and call.index not in calls
+                    calls[call.index] = [call.function.name, ""]
+                calls[call.index][1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_streamed_tool_calls_reassemble_to_the_unstreamed_ones(client, tool_choice):
+    kw = dict(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, temperature=1.0,
+              seed=5, max_tokens=400)
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls, finish = reassembled(client.chat.completions.create(stream=True, **kw))
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert finish == whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    if tool_choice != "required":
+        (name, arguments), = calls
+        assert name == "weather"
+        jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+def test_auto_tool_choice_gives_the_template_the_tools_and_parses_the_reply(client):
+    kw = dict(model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=8)
+    plain = client.chat.completions.create(**kw)
+    auto = client.chat.completions.create(tools=TOOLS, **kw)
+    added = len("system\ntools: weather, calc\n") + 2  # one token a character, and <|im_start|>, <|im_end|>
+    assert auto.usage.prompt_tokens == plain.usage.prompt_tokens + added
+    assert auto.choices[0].message.tool_calls == [] and auto.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_of_100_makes_greedy_output_that_token(live, client):
+    token = live.post("/tokenize", json={"prompt": "Z", "add_special_tokens": False}).json()["tokens"][0]
+    reply = client.completions.create(model="tiny-reasoner", prompt="1+1=", temperature=0, max_tokens=5,
+                                      logit_bias={str(token): 100})
+    assert reply.choices[0].text == "ZZZZZ"
+
+
+BAD = [  # (path, body fields, param, message fragment)
+    ("/v1/chat/completions", {"guided_regex": "a(b"}, "guided_regex", "invalid regular expression"),
+    ("/v1/completions", {"guided_json": {"type": "nope"}}, "guided_json", "invalid JSON schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 5}}}}}}, "response_format",
+     "invalid JSON schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs",
+     "invalid grammar"),
+    ("/v1/chat/completions", {"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "one structured output"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "b"}, "tool_choice",
+     "one structured output"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"minimum": "x"}}}}}]}, "tools",
+     "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "does not match"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias", "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param,fragment", BAD)
+def test_bad_structured_input_is_a_400_naming_it(live, path, fields, param, fragment):
+    body = {"model": "tiny-reasoner", "max_tokens": 4, **fields}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": MESSAGES})
+    r = live.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_auto_tool_choice_without_the_flags_is_vllms_400(live):
+    engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=2, page_size=16, max_model_len=128,
+                                   max_num_batched_tokens=64, dtype="float32", num_gpu_pages_override=64)
+    with live_server(engine) as plain:
+        with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice"):
+            plain.client().chat.completions.create(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS)

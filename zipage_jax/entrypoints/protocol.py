@@ -11,13 +11,14 @@ its `ValueError`s become 400s too. Every string of a request, ignored fields inc
 may escape a lone surrogate, ``"\\ud800"``, which no tokenizer encodes): one that is not is a 400 naming it.
 """
 
-import json
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from zipage_jax.entrypoints.constraint_protocol import ChatTool, NamedToolChoice, ResponseFormat, \
+    StructuredOutputsRequest, template_call
 from zipage_jax.sampling_params import MAX_LOGPROBS
 
 MAX_N = 128  # choices per request; larger fan-outs belong in separate requests
@@ -137,32 +138,6 @@ class StreamOptions(_Open):
                                                   "default when stream_options is given).")
     continuous_usage_stats: bool = Field(False, description="Extension (vLLM): every chunk carries the usage so "
                                                             "far of its choice.")
-
-
-class StructuredOutputsRequest(_Open):
-    """vLLM's ``structured_outputs`` field: exactly one of ``json`` (a JSON schema), ``regex``, ``choice``,
-    ``grammar`` (Lark or GBNF), ``json_object``."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is a BaseModel method
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-
-class JsonSchemaFormat(_Open):
-    """OpenAI's ``response_format.json_schema``: the schema and its name (``strict`` is how the schema is always
-    applied here: the grammar allows nothing else)."""
-
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` is a BaseModel method
-    strict: bool | None = None
-
-
-class ResponseFormat(_Open):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class _GenerationRequest(_Request):
@@ -320,42 +295,10 @@ class ChatMessage(_Open):
         ``tojson``) and a tool message's call id."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.tool_calls:
-            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+            message["tool_calls"] = [template_call(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
-
-
-def _template_call(call: dict) -> dict:
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-class FunctionDefinition(_Open):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
-    strict: bool | None = None
-
-
-class ChatTool(_Open):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Open):
-    name: str
-
-
-class NamedToolChoice(_Open):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
