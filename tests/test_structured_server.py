@@ -416,13 +416,15 @@ def test_streamed_tool_calls_reassemble_to_the_unstreamed_ones(client, tool_choi
         jsonschema.validate(json.loads(arguments), WEATHER)
 
 
-def test_auto_tool_choice_gives_the_template_the_tools_and_parses_the_reply(client):
+def test_auto_tool_choice_gives_the_template_the_tools_and_parses_the_reply(live, client):
     kw = dict(model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=8)
     plain = client.chat.completions.create(**kw)
     auto = client.chat.completions.create(tools=TOOLS, **kw)
     added = len("system\ntools: weather, calc\n") + 2  # one token a character, and <|im_start|>, <|im_end|>
     assert auto.usage.prompt_tokens == plain.usage.prompt_tokens + added
     assert auto.choices[0].message.tool_calls == [] and auto.choices[0].finish_reason == "length"
+    counted = live.post("/tokenize", json={"model": "tiny-reasoner", "messages": MESSAGES, "tools": TOOLS}).json()
+    assert counted["count"] == auto.usage.prompt_tokens
 
 
 def test_logit_bias_of_100_makes_greedy_output_that_token(live, client):

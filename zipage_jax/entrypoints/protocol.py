@@ -382,6 +382,7 @@ class TokenizeChatRequest(_Request):
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    tools: list[ChatTool] | None = None
 
     def check(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -400,4 +401,6 @@ def chat_template_kwargs(body) -> dict:
                   continue_final_message=body.continue_final_message)
     if body.documents is not None:
         kwargs["documents"] = body.documents
+    if body.tools:  # as vLLM, the template sees the tools whatever tool_choice says
+        kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools]
     return kwargs

@@ -40,10 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         extra = await self.constraints(body, found, reasoning_end)
         if tools is not None and tools.skip_special_tokens is not None:
             extra["skip_special_tokens"] = tools.skip_special_tokens
-        kwargs = chat_template_kwargs(body)
-        if tools is not None:
-            kwargs["tools"] = tools.template_tools()
-        prompt = await self.tokenizing.render_chat([m.as_template_message() for m in body.messages], **kwargs)
+        prompt = await self.tokenizing.render_chat([m.as_template_message() for m in body.messages],
+                                                   **chat_template_kwargs(body))
         # Special tokens are not added by default: the chat template places them, as vLLM does.
         ids = await self.tokenizing.encode(prompt, body.add_special_tokens, field=None)
         group = await self.submit(request_id, body, [ids], arrival, extra)

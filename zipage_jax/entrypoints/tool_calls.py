@@ -104,10 +104,6 @@ class ToolPlan:
                                 "`tools`", param="tool_choice")
         return cls("named", tuple(tools), name=choice.function.name, parallel=parallel)
 
-    def template_tools(self) -> list[dict]:
-        """The tools as the chat template takes them."""
-        return [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
-
     def constraint(self) -> tuple[str, dict] | None:
         """What the grammar forces (``structured_requests.Constraint``), for ``required`` and a named function."""
         if self.mode == "required":
