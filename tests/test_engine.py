@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import checkpoint_params, mixed_workload, padded_dense_logits
-from zipage_jax import LLM, SamplingParams
+from zipage_jax import LLM, SamplingParams, StructuredOutputsParams
 from zipage_jax.sampling_params import completion_budget
 from zipage_jax.worker.worker import Executor
 from seeds import fresh_seed, seeded_rng
@@ -234,9 +234,9 @@ def test_abort_frees_pages(llm):
     assert engine.metrics()["kv_pages_used"] == 0
 
 
-# docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, 5 prefill token counts (128 ... 2048)
-# and the prompt-logprobs program
-DEFAULT_CONFIG_PROGRAMS = 18
+# docs/ARCHITECTURE.md: 6 decode batch sizes (8 ... 256) x greedy / sampled, 5 prefill token counts (128 ... 2048),
+# the prompt-logprobs program and 3 structured-output mask writes (16, 64, 256 rows)
+DEFAULT_CONFIG_PROGRAMS = 21
 
 
 def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_nothing():
@@ -247,7 +247,11 @@ def test_default_config_warms_up_its_programs_and_a_mixed_workload_compiles_noth
     assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS
     seed = fresh_seed()
     prompts, params = mixed_workload(np.random.default_rng(seed), llm.engine.model_cfg.vocab_size, 8, 200)
+    prompts.append("12+7=")  # and a constrained request
+    params.append(SamplingParams(temperature=0.8, seed=seed, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"])))
     outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[-1].outputs[0].text in ("yes", "no")
     assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs), seed
     assert llm.metrics()["num_compiles"] - before == DEFAULT_CONFIG_PROGRAMS, seed
 

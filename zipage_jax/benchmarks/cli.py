@@ -17,6 +17,8 @@ from zipage_jax.config import add_engine_options, engine_kwargs
 OWN_COMMAND_LINE = {
     "compression": ("zipage_jax.benchmarks.compression", "one compression of a batch of requests against a decode "
                                                          "step: the kernels, the jnp references, scratch memory"),
+    "bitmask": ("zipage_jax.benchmarks.bitmask_cost", "device and host cost of structured outputs' token bitmask, "
+                                                      "free and half-constrained batches"),
     "concurrency": ("zipage_jax.benchmarks.concurrency", "what bounds compressed and full-KV concurrency on an H100 "
                                                          "and an H200, from the engine's memory plan (no GPU)"),
     "eviction-diagnosis": ("zipage_jax.benchmarks.eviction_diagnosis", "which evicted tokens break the interleaved-"

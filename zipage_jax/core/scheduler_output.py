@@ -48,6 +48,7 @@ class SchedulerOutput:
     swap_outs: list[SwapOut] = dataclasses.field(default_factory=list)
     swap_ins: list[SwapIn] = dataclasses.field(default_factory=list)
     stalled: list[Request] = dataclasses.field(default_factory=list)
+    token_bitmask: object = None  # structured-output masks to write before the step (``TokenBitmask``), or None
 
     @property
     def empty(self) -> bool:

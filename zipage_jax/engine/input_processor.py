@@ -1,6 +1,6 @@
 """Every check a request passes before it is queued, in one place for the offline API and the server: the prompt
 (tokenized if text, truncated, within the vocabulary), its length against ``max_model_len`` with ``max_tokens``
-(vLLM's rule, ``completion_budget``), and a per-request KV budget the engine can honour. Bad input is a
+(vLLM's rule, ``completion_budget``), logit-bias ids within the vocabulary, and a per-request KV budget the engine can honour. Bad input is a
 ``ValueError`` naming the parameter; nothing is changed before every check has passed.
 """
 
@@ -40,6 +40,9 @@ class InputProcessor:
             raise ValueError("prompt: empty prompt")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be ints in [0, {self.vocab_size})")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
+            raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is out of vocabulary (the model "
+                             f"has {self.vocab_size} tokens)")
         max_tokens = completion_budget(len(ids), params.max_tokens, self.max_model_len, reject=reject_over_length)
         self.check_kv_budget(params.kv_budget_pages)
         if max_tokens != params.max_tokens:

@@ -26,6 +26,7 @@ from zipage_jax.engine.tokenizer_store import StoredTokenizer, start_engine_toke
 from zipage_jax.models import hub
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.structured_output.manager import StructuredOutputManager
 from zipage_jax.worker.compile_counter import CompileCounter
 from zipage_jax.worker.worker import Executor, Worker
 
@@ -46,11 +47,10 @@ class LLMEngine:
         weights of real model shapes. ``params`` may be a function of no arguments that makes them: it is called
         once the KV pool is placed, which then meets an allocator that no freed weights fragmented.
 
-        ``worker`` (with ``model_cfg``): step this device side (``Worker.create``) instead of bringing one up, as a
-        benchmark that inspects its programs does. ``scheduler_cls``: schedule with this ``Scheduler`` subclass (a
-        benchmark's holds requests); ``scheduler``: with this one. The scheduler's property tests bring a fake
-        device and a scheduler of toy sizes; the config then supplies only the loop's own fields
-        (``max_model_len``, ``seed``, ``metrics_interval_steps``).
+        ``worker`` (with ``model_cfg``): step this device side instead of bringing one up (a benchmark inspecting
+        its programs; the scheduler's property tests bring a fake one). ``scheduler_cls``: schedule with this
+        ``Scheduler`` subclass (a benchmark's holds requests); ``scheduler``: with this one (the config then
+        supplies only the loop's own fields: ``max_model_len``, ``seed``, ``metrics_interval_steps``).
         """
         self.config = config
         # where LLM(...)'s seconds go, phase by phase (``bench startup`` prints them)
@@ -63,11 +63,7 @@ class LLMEngine:
         self.tokenizer_wait_s = 0.0  # how long the start waited for the tokenizer (it loads beside the rest)
         if model_cfg is None:
             self.model_path = hub.local_dir(config.model)
-            self.tokenizer_path = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else self.model_path
-            if not any((pathlib.Path(self.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES):
-                field = "tokenizer" if config.tokenizer else "model"
-                raise ValueError(f"{field}: no tokenizer in {self.tokenizer_path} (none of {', '.join(TOKENIZER_FILES)}"
-                                 f"){'' if config.tokenizer else '; name one with tokenizer'}")
+            self.tokenizer_path = tokenizer_dir(config, self.model_path)
             self._tokenizer_loading = start_engine_tokenizer(self.tokenizer_path, config.compilation_cache_dir)
             model_cfg = ModelConfig.from_pretrained(self.model_path)
         self.model_cfg = model_cfg
@@ -96,6 +92,7 @@ class LLMEngine:
         self._seeds = itertools.count(config.seed * 1_000_003 + 1)
         self._step_observers: list = []
         self._limited = False  # whether the worker may still limit the steps (``warmup(ready_early=True)``)
+        self._structured: StructuredOutputManager | None = None  # made by the first constrained request
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -150,8 +147,11 @@ class LLMEngine:
                          seed=seed))
 
     def add(self, request: Request):
-        """Queue a request built by the caller, unchecked (``add_request`` validates its input first)."""
+        """Queue a request built by the caller, unchecked (``add_request`` validates its input first) but for its
+        structured-output constraint, which is bound to the tokenizer here (an invalid one raises ValueError)."""
         self.wait_for_tokenizer()
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_outputs.add(request)
         self.requests[request.request_id] = request
         self.outputs.add(request)
         self.scheduler.add(request)
@@ -166,22 +166,40 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.has_work() or self._in_flight or self._aborted)
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The matchers of the constrained requests (``structured_output.manager``), made on first use."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+        return self._structured
+
     # -- the loop --------------------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that advanced (or, with ``only_finished``, that ended:
-        offline batches skip building cumulative outputs, which costs O(length) per request and step)."""
+        offline batches skip building cumulative outputs, which costs O(length) per request and step).
+
+        A constrained request's next mask needs its previous token: while one waits on a step in flight, that step
+        is read back before scheduling (such steps do not overlap the host's work with the device's)."""
         start = time.perf_counter()
         if self._limited:  # a ready-early warm-up still compiles: steps stay within the compiled buckets
             limits = self.worker.limits()
             self.scheduler.limit(limits)
             self._limited = limits is not None
+        structured = self._structured
+        early = {}
+        if structured and structured.waits_for_tokens():
+            early, _ = self._read_back(self._in_flight)
+            self._in_flight = []
         scheduled = self.scheduler.schedule()
+        if structured:
+            scheduled.token_bitmask = structured.bitmask(
+                scheduled.decodes + [c.request for c in scheduled.prefills if c.samples])
         scheduled_at = time.perf_counter()
         result = self.worker.execute(scheduled)
         dispatched_at = time.perf_counter()
         self.scheduler.dispatched(result.handles, result.swapped_out)
         self.meter.totals["compressions"] += len(scheduled.compressions)
-        changed, read_back_s = self._collect(result.handles)
+        changed, read_back_s = self._collect(result.handles, early)
         self.meter.totals["steps"] += 1
         if self.meter.due():
             self.meter.sample(self.stats())
@@ -205,13 +223,16 @@ class LLMEngine:
     def _forget_finished(self, changed):
         for request in changed:
             if request.status.finished:
+                if self._structured is not None:
+                    self._structured.remove(request)
                 self.requests.pop(request.request_id, None)
                 self.outputs.states.pop(request.request_id, None)
 
-    def _collect(self, handles) -> tuple[list[Request], float]:
-        """Read back the steps in flight (``handles`` are in flight next); returns the requests that changed and the
-        seconds spent waiting for their results."""
+    def _collect(self, handles, changed_before: dict | None = None) -> tuple[list[Request], float]:
+        """Read back the steps in flight (``handles`` are in flight next); returns the requests that changed (since
+        ``changed_before``, those of an earlier read-back) and the seconds spent waiting for their results."""
         changed, read_back_s = self._read_back(self._in_flight)
+        changed = {**changed_before, **changed} if changed_before else changed
         self._in_flight = handles
         for request in self._aborted:
             changed[request.request_id] = request
@@ -234,10 +255,14 @@ class LLMEngine:
             for row, request in enumerate(handle.requests):
                 if request is None or request.status.finished:
                     continue
-                self.scheduler.accept(request, int(ids[row, 0]), float(values[row, 0]))
+                token = int(ids[row, 0])
+                self.scheduler.accept(request, token, float(values[row, 0]))
                 stop = self.outputs.accept(request, ids[row], values[row])
-                if stop is not None:
-                    self.scheduler.finish(request, stop.status)
+                status = stop.status if stop is not None else None
+                if status is None and self._structured and self._structured.accept(request, token):
+                    status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
+                if status is not None:
+                    self.scheduler.finish(request, status)
                     self.meter.totals["finished"] += 1
                 changed[request.request_id] = request
         return changed, waited
@@ -291,17 +316,14 @@ class LLMEngine:
         self.worker.add_compression_observer(observer)
 
     def warmup(self, progress=None, stop=None, ready_early: bool = False) -> dict:
-        """Compile every shape bucket now (in parallel), so no request waits on a compile later.
+        """Compile every shape bucket now (in parallel), so no request waits on a compile later; each compile is
+        logged and passed to ``progress(done, total, name, seconds)``. Returns the number of programs and the wall
+        seconds they took. ``stop``: a ``concurrent.futures.Future`` whose completion ends the warm-up at once
+        (``CompileStopped``; the rest compiles on first use), as the server does when asked to shut down.
 
-        Each compile is logged; ``progress(done, total, name, seconds)``, if given, is called too (a progress bar,
-        the server's health state). Returns the number of programs and the wall seconds compiling them took.
-        ``stop``: a ``concurrent.futures.Future`` whose completion ends the warm-up at once (``CompileStopped``;
-        what was not compiled compiles on first use), as the server does when it is asked to shut down.
-
-        ``ready_early``: return once the programs of a light load are ready (the smallest decode batch, prefill
-        chunk and compression of each kind) and compile the rest in the background (``background`` in the
-        report: how many); until they are, steps take no more requests and prompt tokens than the compiled
-        programs cover, so no request waits on a compile — requests beyond wait in the queue instead."""
+        ``ready_early``: return once the programs of a light load are ready and compile the rest in the background
+        (``background`` in the report); until then steps take no more rows and prompt tokens than the compiled
+        programs cover (``ProgramCatalog.limits``): requests beyond wait in the queue, never on a compile."""
         def logged(*args):
             log_compile(*args)
             if progress is not None:
@@ -311,13 +333,27 @@ class LLMEngine:
         self.wait_for_tokenizer()  # ready means ready for text too
         self._limited = ready_early and bool(report.get("background"))
         self.meter.mark_steady(self.stats())
-        log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "
-                 "compiling %.1fs summed over the parallel compiles)", report["programs"], report["compile_s"],
-                 report.get("loaded", 0), report.get("load_s", 0.0), report.get("lower_s", 0.0),
-                 report.get("compile_sum_s", 0.0))
-        if report.get("background"):
-            log.info("serving now; %d more programs compile in the background", report["background"])
+        log_warmup(report)
         return report
+
+
+def tokenizer_dir(config: EngineConfig, model_path: str) -> str:
+    """Where the tokenizer's files are: ``config.tokenizer`` (a directory or Hub id), else the model's."""
+    path = hub.local_dir(config.tokenizer, "tokenizer") if config.tokenizer else model_path
+    if not any((pathlib.Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        field = "tokenizer" if config.tokenizer else "model"
+        raise ValueError(f"{field}: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})"
+                         f"{'' if config.tokenizer else '; name one with tokenizer'}")
+    return path
+
+
+def log_warmup(report: dict):
+    log.info("warm-up: %d programs ready in %.1fs (%d loaded from the executable store in %.1fs; tracing %.1fs, "
+             "compiling %.1fs summed over the parallel compiles)", report["programs"], report["compile_s"],
+             report.get("loaded", 0), report.get("load_s", 0.0), report.get("lower_s", 0.0),
+             report.get("compile_sum_s", 0.0))
+    if report.get("background"):
+        log.info("serving now; %d more programs compile in the background", report["background"])
 
 
 def log_compile(done: int, total: int, name: str, seconds: float):

@@ -1,9 +1,10 @@
 """Device-side sampling: `SamplingTensors` (a batch's per-row settings as arrays) and the jittable `sample()`.
 
 The pipeline follows vLLM's sampler order so results match what vLLM users expect:
-min-tokens bans -> repetition / frequency / presence penalties -> greedy argmax (temperature 0 rows)
+(the structured-output bitmask, ``apply_token_bitmask``, by the step) -> min-tokens bans and logit bias
+-> repetition / frequency / presence penalties -> greedy argmax (temperature 0 rows)
 -> temperature -> min_p -> top_k -> top_p -> categorical draw (Gumbel-max).
-Logprobs are taken from the raw logits, before any of these steps.
+Logprobs are taken from the logits the sampler is given (after the bitmask, as vLLM's), before its own steps.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import struct
 from zipage_jax.sampling_params import SamplingParams, check_int, check_token_ids
 
 BAN_WIDTH = 8  # banned ids a row holds (EOS and stop ids below min_tokens): one shape for the usual case
+BIAS_WIDTH = 8  # logit-bias entries a row holds when some row has one (more: the next power of two)
 MIN_HISTORY_WIDTH = 256  # penalized rows' history: one shape for short histories instead of one per doubling
 
 class SamplingRow(NamedTuple):
@@ -47,7 +49,9 @@ class SamplingTensors:
     history [B,W] i32 (prompt + output tokens of penalized rows, -1 = pad),
     history_is_output [B,W] bool (True where the entry is an output token; an output entry may be -1,
         a token not read back yet, which the caller fills in on the device before `sample`),
-    banned_token_ids [B,E] i32 (ids masked to -inf: EOS / stop ids of rows below min_tokens; -1 = pad).
+    banned_token_ids [B,E] i32 (ids masked to -inf: EOS / stop ids of rows below min_tokens; -1 = pad),
+    bias_token_ids [B,L] i32 and bias_values [B,L] f32 (logit_bias entries, added to the logits; -1 = pad;
+        L = 1 when no row has one).
     """
 
     temperature: jax.Array
@@ -62,9 +66,12 @@ class SamplingTensors:
     history: jax.Array
     history_is_output: jax.Array
     banned_token_ids: jax.Array
+    bias_token_ids: jax.Array
+    bias_values: jax.Array
     # Which code paths the batch needs, decided on the host: static, so no data-dependent `lax.cond` (on GPU
     # its predicate is read back to the host, which would stall the asynchronous step pipeline).
     penalized: bool = struct.field(pytree_node=False, default=False)
+    biased: bool = struct.field(pytree_node=False, default=False)
     sampled: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
@@ -121,6 +128,9 @@ class SamplingTensors:
             if w < longest:
                 raise ValueError(f"history_width ({w}) must be >= the longest history ({longest})")
         e = max(BAN_WIDTH, _next_pow2(max((len(x) for x in bans.values()), default=1)))
+        biased = any(p.logit_bias for p in distinct.values())
+        biases = {i: params[i].logit_bias for i in range(n) if params[i].logit_bias} if biased else {}
+        width = max(BIAS_WIDTH, _next_pow2(max(len(x) for x in biases.values()))) if biased else 1
 
         def column(j, fill, dtype=np.float32):
             out = np.full(b, fill, dtype)
@@ -131,7 +141,8 @@ class SamplingTensors:
                 min_p=column(3, 0.0), repetition_penalty=column(4, 1.0), presence_penalty=column(5, 0.0),
                 frequency_penalty=column(6, 0.0), seeds=np.zeros((b, 2), np.uint32), steps=np.zeros(b, np.int32),
                 history=np.full((b, w), -1, np.int32), history_is_output=np.zeros((b, w), bool),
-                banned_token_ids=np.full((b, e), -1, np.int32))
+                banned_token_ids=np.full((b, e), -1, np.int32), bias_token_ids=np.full((b, width), -1, np.int32),
+                bias_values=np.zeros((b, width), np.float32))
         t.seeds[:n, 0] = (seed64 & 0xFFFFFFFF).astype(np.uint32)
         t.seeds[:n, 1] = (seed64 >> 32).astype(np.uint32)
         t.steps[:n] = steps
@@ -141,7 +152,10 @@ class SamplingTensors:
             t.history_is_output[i, len(prompt):len(prompt) + len(out)] = True
         for i, ban in bans.items():
             t.banned_token_ids[i, :len(ban)] = ban
-        return t.replace(penalized=penalized, sampled=not all(p.greedy for p in distinct.values()))
+        for i, bias in biases.items():
+            t.bias_token_ids[i, :len(bias)] = [token for token, _ in bias]
+            t.bias_values[i, :len(bias)] = [value for _, value in bias]
+        return t.replace(penalized=penalized, biased=biased, sampled=not all(p.greedy for p in distinct.values()))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,8 +174,17 @@ def _rows_index(x: jax.Array, cols: jax.Array) -> jax.Array:
     return jnp.where((cols >= 0) & (cols < v), cols, v)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Logits of the tokens a row's structured-output bitmask (``[B, ceil(V/32)]`` int32, bit ``t % 32`` of word
+    ``t // 32``) disallows become -inf; an all-ones row changes nothing."""
+    bits = jax.lax.shift_right_logical(bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)[None, None]) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]] != 0
+    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Min-tokens bans (always: a scatter of E ids a row), then, when some row has one (`penalized`), repetition
+    """Min-tokens bans (always: a scatter of E ids a row) and, when some row has one (`biased`), the logit bias
+    (a scatter-add of L entries a row); then, when some row has one (`penalized`), repetition
     (prompt + output, HF/vLLM: logit > 0 -> /p else *p), frequency (-f * count) and presence (-p if present)
     over output tokens.
 
@@ -171,6 +194,8 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     b = logits.shape[0]
     rows = jnp.arange(b)[:, None]
     x = logits.at[rows, _rows_index(logits, t.banned_token_ids)].set(-jnp.inf, mode="drop")
+    if t.biased:
+        x = x.at[rows, _rows_index(x, t.bias_token_ids)].add(t.bias_values, mode="drop")
     if not t.penalized:
         return x
     cols = _rows_index(x, t.history)

@@ -22,6 +22,11 @@ class StructuredOutputsParams:
     vLLM's llguidance backend); ``choice``: the output is one of these strings; ``grammar``: a Lark or GBNF grammar;
     ``json_object=True``: any JSON object.
 
+    JSON whitespace: by default (``disable_any_whitespace=None``) a JSON output is laid out as ``json.dumps`` does,
+    ``{"a": 1, "b": [2, 3]}``: with any whitespace allowed between tokens (vLLM's default, ``False`` here) a model
+    can spend its whole budget on newlines, which small and quantized models often do. ``whitespace_pattern``: a
+    regular expression for the whitespace instead.
+
     ``reasoning_end``: the constraint starts after this text's tokens first appear in the prompt or the output
     (``"</think>"``: a reasoning model thinks freely, then answers in the structure), as vLLM does with a reasoning
     parser; None: from the first output token.
@@ -32,6 +37,8 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
     reasoning_end: str | None = None
 
     def __post_init__(self):
@@ -50,13 +57,16 @@ class StructuredOutputsParams:
                     not all(isinstance(c, str) and c for c in choice):
                 raise ValueError("structured_outputs.choice: expected a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(choice))
-        for name in ("regex", "grammar", "reasoning_end"):
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace: expected a bool, got "
+                             f"{self.disable_any_whitespace!r}")
+        for name in ("regex", "grammar", "reasoning_end", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name}: expected a non-empty string")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object: expected true, got {self.json_object!r}")
-        _definition(self.kind, self.source)  # raises on a bad schema, regex or grammar
+        self.definition  # noqa: B018 (compiles it: a bad schema, regex or grammar raises here)
 
     @property
     def kind(self) -> str:
@@ -69,13 +79,24 @@ class StructuredOutputsParams:
         return jsonlib.dumps(list(value)) if self.kind == "choice" else "" if self.kind == "json_object" else value
 
     @property
+    def json_layout(self) -> str:
+        """llguidance's JSON whitespace options, as JSON text ("" for the other kinds)."""
+        if self.kind not in ("json", "json_object"):
+            return ""
+        if self.whitespace_pattern is not None:
+            return jsonlib.dumps({"whitespace_pattern": self.whitespace_pattern})
+        if self.disable_any_whitespace is False:
+            return jsonlib.dumps({"whitespace_flexible": True})
+        return jsonlib.dumps({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+
+    @property
     def definition(self) -> str:
         """The llguidance grammar definition (cached per constraint: requests of one schema compile it once)."""
-        return _definition(self.kind, self.source)
+        return _definition(self.kind, self.source, self.json_layout)
 
 
 @functools.lru_cache(maxsize=256)
-def _definition(kind: str, source: str) -> str:
+def _definition(kind: str, source: str, json_layout: str) -> str:
     import llguidance  # here, not at import: the server's command line parses without it
 
     from llguidance import LLMatcher
@@ -83,11 +104,11 @@ def _definition(kind: str, source: str) -> str:
     try:
         if kind == "json":
             schema = jsonlib.loads(source)
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is an object")
-            definition = llguidance.grammar_from("json_schema", source)
+            definition = LLMatcher.grammar_from_json_schema(schema, defaults=jsonlib.loads(json_layout))
         elif kind == "json_object":
-            definition = llguidance.grammar_from("json_schema", '{"type": "object"}')
+            definition = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=jsonlib.loads(json_layout))
         elif kind == "choice":
             # string literals, not Lark text: a choice may hold quotes, slashes or grammar syntax
             definition = LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in

@@ -4,7 +4,8 @@ compiles in the background, the limits that keep every step inside the compiled 
 
 Buckets: decode at powers of two of rows up to ``max_num_seqs``; prefill at powers of two of tokens up to
 ``max_num_batched_tokens`` (one row count); compression at budget ``M`` by source width (the steady state ``M+1``,
-then quadruplings) and powers of four of rows; swaps at powers of two of pages; one prompt-logprobs program.
+then quadruplings) and powers of four of rows; swaps at powers of two of pages; one prompt-logprobs program;
+structured-output mask writes at powers of four of rows.
 """
 
 import dataclasses
@@ -104,6 +105,8 @@ class ProgramCatalog:
         self._swap_gather = jax.jit(functools.partial(steps.swap_gather, history=history))
         self._swap_scatter = jax.jit(functools.partial(steps.swap_scatter, history=history),
                                      donate_argnames=("state",))
+        self.bitmask_sizes = bucket_sizes(min(16, config.max_num_seqs), config.max_num_seqs, factor=4)
+        self._set_token_bitmask = jax.jit(steps.set_token_bitmask, donate_argnames=("state",))
         self._pending: list[WarmupBucket] | None = None  # while a ready-early warm-up compiles (``limits``)
 
     def _packed(self, packed):
@@ -116,6 +119,7 @@ class ProgramCatalog:
         packed, spec = packing.pack(inputs)
         sampling = inputs["sampling"]
         mode = "penalized" if sampling.penalized else "sampled" if sampling.sampled else "greedy"
+        mode += ", biased" if sampling.biased else ""
         unit = "rows" if kind == "decode" else "tokens"
         program = Program(key=("step", spec), name=f"{kind} {bucket} {unit}, {mode}", jitted=self._step,
                           args=(params, state, self._packed(packed)), static=dict(spec=spec),
@@ -149,6 +153,14 @@ class ProgramCatalog:
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, (state,) + index + shapes,
                           options=steps.COMPILER_OPTIONS)
         return gather, scatter
+
+    def bitmask_program(self, rows: int, state) -> Program:
+        """The write of ``rows`` structured-output masks into the bitmask table."""
+        table = state.token_bitmask
+        index = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self.replicated)
+        masks = jax.ShapeDtypeStruct((rows, table.shape[1]), jnp.int32, sharding=self.replicated)
+        return Program(("token_bitmask", rows), f"structured-output masks {rows} rows", self._set_token_bitmask,
+                       (state, index, masks), options=steps.COMPILER_OPTIONS)
 
     # -- buckets -------------------------------------------------------------------------------------------
     def compression_widths(self, budget: int) -> list[int]:
@@ -190,10 +202,11 @@ class ProgramCatalog:
     # -- start-up ------------------------------------------------------------------------------------------
     def warmup_buckets(self, params, state) -> list[WarmupBucket]:
         """Every program a workload without penalties can need, by bucket, the ones a light load needs first: the
-        prompt-logprobs program, greedy and sampled decode per batch bucket, prefill per token bucket, and with
+        prompt-logprobs program, greedy and sampled decode per batch bucket, prefill per token bucket, the
+        structured-output mask writes per row bucket, and with
         compression the steady-state compression at every row bucket, the wider first compressions of long prompts
         at one row, and the swaps of a steady-state request. Penalties (repetition, presence, frequency) widen the
-        sampling history, and a per-request ``kv_budget_pages`` other than the engine's changes the compression
+        sampling history, a logit bias adds its entries, and a per-request ``kv_budget_pages`` other than the engine's changes the compression
         shapes: those compile on first use."""
         layout = self.layout
         buckets = [WarmupBucket("prompt_logprobs", 0, [self.prompt_program(params)])]
@@ -205,6 +218,8 @@ class ProgramCatalog:
             inputs, _ = input_batch.prefill_inputs([], num_tokens, self.prefill_rows, layout)
             buckets.append(WarmupBucket("prefill", num_tokens,
                                         [self.step_program(inputs, "prefill", num_tokens, params, state)[0]]))
+        for rows in self.bitmask_sizes:
+            buckets.append(WarmupBucket("token_bitmask", rows, [self.bitmask_program(rows, state)]))
         shapes = self._warmup_compressions()
         for shape in shapes:
             buckets.append(WarmupBucket(("compress", shape.budget, shape.width), shape.rows,

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from zipage_jax import parallel
+from zipage_jax.structured_output.manager import bitmask_words
 from zipage_jax.worker import device_memory, kv_cache
 
 
@@ -20,6 +21,9 @@ class DeviceState:
     query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-row holders (a ring)
     score_cache: jax.Array  # [L, num_pages, Hkv, S] f32: score history of every slot
     token_buffer: jax.Array  # [max_num_seqs + 1] int32: each running request's last sampled token
+    # [max_num_seqs + 1, ceil(V/32)] int32 by token row: the structured-output mask of its next token (all ones:
+    # unconstrained; ``structured_output.manager``)
+    token_bitmask: jax.Array
 
 
 def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
@@ -32,6 +36,8 @@ def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh
     query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_rows,
                                                                    dtype, mesh)
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
-    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer)
+    token_bitmask = jax.device_put(np.full((config.max_num_seqs + 1, bitmask_words(model_cfg.vocab_size)), -1,
+                                           np.int32), parallel.replicated(mesh))
+    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer, token_bitmask)
     device_memory.check_allocated(device, before, device_memory.bytes_on(device, state), "the KV pool and caches")
     return state

@@ -42,8 +42,9 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     width = (4 * c.hidden_size + 3 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * 4
     queries = c.num_layers * tokens * c.num_heads * c.head_dim * it if config.compression else 0
     sample = 16 * c.vocab_size * 4 + 4 * max_model_len * 4  # logits, sort keys/indices, penalty history
-    prefill = tokens * width + queries + rows * sample
-    decode = config.max_num_seqs * (width + sample)
+    bitmask_table = (config.max_num_seqs + 1) * -(-c.vocab_size // 32) * 4  # structured outputs' masks
+    prefill = tokens * width + queries + rows * sample + bitmask_table
+    decode = config.max_num_seqs * (width + sample) + bitmask_table
     if backend_name == "reference":
         gathered = 2 * c.num_kv_heads * span * c.head_dim * (it + 4)
         prefill += gathered + 3 * c.num_heads * tokens * span * 4

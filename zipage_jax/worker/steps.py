@@ -11,7 +11,7 @@ from zipage_jax import parallel
 from zipage_jax.compression.step import compress
 from zipage_jax.core.request import PENDING
 from zipage_jax.layers.logprobs import token_logprobs
-from zipage_jax.layers.sampler import sample
+from zipage_jax.layers.sampler import apply_token_bitmask, sample
 from zipage_jax.models import forward_paged
 from zipage_jax.models.transformer import final_logits
 from zipage_jax.sampling_params import MAX_LOGPROBS
@@ -51,6 +51,7 @@ def step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_
     if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
         ring = batch.positions % query_cache.shape[2]
         query_cache = query_cache.at[:, inputs["query_row"], ring].set(extra[0].astype(query_cache.dtype))
+    logits = apply_token_bitmask(logits, state.token_bitmask[inputs["sample_row"]])
     # penalties must see the token each row is being fed even when the host does not know it yet
     pending = sampling.history_is_output & (sampling.history == PENDING)
     history = jnp.where(pending, token_buffer[inputs["sample_row"]][:, None], sampling.history)
@@ -62,6 +63,12 @@ def step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_
         return state, ids, values
     hidden = jnp.pad(extra[-1], ((0, hidden_rows - extra[-1].shape[0]), (0, 0)))
     return state, ids, values, jax.lax.with_sharding_constraint(hidden, hidden_sharding)
+
+
+def set_token_bitmask(state: DeviceState, rows, masks):
+    """Write structured-output masks into the bitmask table at these token rows (padding rows: the sink's, all
+    ones)."""
+    return state.replace(token_bitmask=state.token_bitmask.at[rows].set(masks))
 
 
 def prompt_logprobs(params, hidden, rows, targets, *, model_cfg):

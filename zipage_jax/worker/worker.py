@@ -29,6 +29,7 @@ from zipage_jax.models import weights
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.worker import device_memory, device_state, input_batch, kv_cache
 from zipage_jax.worker.catalog import CompressionShape, ProgramCatalog, pick_bucket
+from zipage_jax.structured_output.manager import TokenBitmask
 from zipage_jax.worker.programs import Programs
 from zipage_jax.worker.device_state import DeviceState
 from zipage_jax.worker.handles import ExecuteResult, PromptLogprobs, StepHandle
@@ -200,6 +201,8 @@ class Worker:
             result.swapped_out[swap.request.request_id] = self.swap_out(swap.pages, swap.query_row)
         for swap in scheduled.swap_ins:
             self.swap_in(swap.request.page_ids, swap.request.query_row, swap.contents)
+        if scheduled.token_bitmask is not None:
+            self.set_token_bitmask(scheduled.token_bitmask)
         if scheduled.compressions and not self.config.async_compression:
             self.compress(scheduled.compressions, wait=True)
         if scheduled.decodes:
@@ -250,6 +253,16 @@ class Worker:
             values.copy_to_host_async()
             parts.append(PromptLogprobs(part.requests, part.positions, ids, values))
         return parts
+
+    def set_token_bitmask(self, bitmask: TokenBitmask):
+        """Write a step's structured-output masks into the device table, padded to a row bucket with all-ones rows
+        at the sink row."""
+        size = pick_bucket(self.catalog.bitmask_sizes, len(bitmask.rows))
+        rows = np.full(size, self.layout.sink_row, np.int32)
+        masks = np.full((size, bitmask.masks.shape[1]), -1, np.int32)
+        rows[:len(bitmask.rows)], masks[:len(bitmask.rows)] = bitmask.rows, bitmask.masks
+        self.state = self.programs.run(self.catalog.bitmask_program(size, self.state), self.state,
+                                       *jax.device_put((rows, masks), self.replicated))
 
     # -- compression ---------------------------------------------------------------------------------------
     def add_compression_observer(self, observer):
