@@ -125,8 +125,12 @@ class ChatStream(ChoiceStream):
                 "logprobs": self.view.logprobs(token_ids, logprobs)}
 
     def chunk(self, output: ChoiceOutput) -> dict | None:
+        """As vLLM's, no chunk for tokens that add nothing to send (a parser holds them: a tool call not complete
+        yet, hidden reasoning) unless they carry logprobs."""
         chunk = super().chunk(output)
-        if chunk is not None and self.tools is not None:
+        if chunk is None or (not chunk["delta"] and chunk["finish_reason"] is None and chunk["logprobs"] is None):
+            return None
+        if self.tools is not None:
             chunk["finish_reason"] = self.view.tools.finish_reason(chunk["finish_reason"], self.tools.called)
         return chunk
 
