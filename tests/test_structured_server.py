@@ -473,3 +473,14 @@ def test_auto_tool_choice_without_the_flags_is_vllms_400(live):
     with live_server(engine) as plain:
         with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice"):
             plain.client().chat.completions.create(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS)
+
+
+def test_json_whitespace_fields_reach_the_constraint():
+    compact = structured_requests.compile_constraint(structured_requests.requested(chat(guided_json=WEATHER)), None)
+    assert json.loads(compact.json_layout)["whitespace_flexible"] is False  # json.dumps' layout by default
+    free = chat(structured_outputs={"json": WEATHER, "disable_any_whitespace": False})
+    assert json.loads(structured_requests.compile_constraint(structured_requests.requested(free), None).json_layout) \
+        == {"whitespace_flexible": True}
+    body = chat(guided_json=WEATHER, guided_whitespace_pattern=" ?")
+    found = structured_requests.with_whitespace(structured_requests.requested(body), body)
+    assert structured_requests.compile_constraint(found, None).whitespace_pattern == " ?"

@@ -20,6 +20,10 @@ class StructuredOutputsRequest(_Part):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(
+        None, description="JSON's whitespace: false allows any between tokens; by default JSON is laid out as "
+                          "json.dumps does (a model can spend its budget on newlines otherwise).")
+    whitespace_pattern: str | None = Field(None, description="JSON's whitespace: a regular expression instead.")
 
 
 class JsonSchemaFormat(_Part):

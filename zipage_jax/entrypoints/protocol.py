@@ -185,6 +185,8 @@ class _GenerationRequest(_Request):
     guided_regex: str | None = Field(None, description="Extension (vLLM): a regular expression.")
     guided_choice: list[str] | None = Field(None, description="Extension (vLLM): one of these strings.")
     guided_grammar: str | None = Field(None, description="Extension (vLLM): a Lark or GBNF grammar.")
+    guided_whitespace_pattern: str | None = Field(None, description="Extension (vLLM): JSON's whitespace, a "
+                                                                    "regular expression.")
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (everything else keeps the engine default)."""

@@ -193,8 +193,8 @@ class OpenAIServing:
         if bias:
             extra["logit_bias"] = bias
         if found:
-            extra["structured_outputs"] = await self.tokenizing.run(structured_requests.compile_constraint, found,
-                                                                    reasoning_end)
+            extra["structured_outputs"] = await self.tokenizing.run(
+                structured_requests.compile_constraint, structured_requests.with_whitespace(found, body), reasoning_end)
         return extra
 
     def sampling_params(self, body, max_tokens: int | None, choice: int, extra: dict | None = None) -> SamplingParams:

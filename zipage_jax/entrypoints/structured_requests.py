@@ -32,10 +32,17 @@ def requested(body) -> list[Constraint]:
             raise APIError(400, "structured_outputs.structural_tag: not supported by this server",
                            param="structured_outputs", code="unsupported_parameter")
         kinds = {"json": wanted.json_, "regex": wanted.regex, "choice": wanted.choice, "grammar": wanted.grammar,
-                 "json_object": wanted.json_object}
+                 "json_object": wanted.json_object, "disable_any_whitespace": wanted.disable_any_whitespace,
+                 "whitespace_pattern": wanted.whitespace_pattern}
         found.append(("structured_outputs", {k: v for k, v in kinds.items() if v is not None}))
     found += [(name, {kind: getattr(body, name)}) for name, kind in GUIDED.items() if getattr(body, name) is not None]
     return found
+
+
+def with_whitespace(found: list[Constraint], body) -> list[Constraint]:
+    """vLLM's ``guided_whitespace_pattern``: the JSON whitespace of whichever constraint the request gives."""
+    pattern = body.guided_whitespace_pattern
+    return [(field, {"whitespace_pattern": pattern, **kwargs}) for field, kwargs in found] if pattern else found
 
 
 def compile_constraint(found: list[Constraint], reasoning_end: str | None) -> StructuredOutputsParams | None:
