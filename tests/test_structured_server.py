@@ -467,12 +467,28 @@ def test_bad_structured_input_is_a_400_naming_it(live, path, fields, param, frag
     assert error["param"] == param and fragment in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_auto_tool_choice_without_the_flags_is_vllms_400(live):
+def test_without_the_flags_auto_is_vllms_400_and_a_reasoning_parser_starts_the_constraint_after_thinking():
     engine = LLMEngine.from_kwargs(TINY_MODEL, max_num_seqs=2, page_size=16, max_model_len=128,
                                    max_num_batched_tokens=64, dtype="float32", num_gpu_pages_override=64)
-    with live_server(engine) as plain:
+    queued, add_request = [], engine.add_request
+
+    def recording(request_id, prompt, params=None, **kw):
+        queued.append(params)
+        return add_request(request_id, prompt, params, **kw)
+
+    engine.add_request = recording
+    with live_server(engine, reasoning_parser="qwen3") as server:
+        client = server.client()
         with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice"):
-            plain.client().chat.completions.create(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS)
+            client.chat.completions.create(model="tiny-reasoner", messages=MESSAGES, tools=TOOLS)
+        assert not queued
+        for include_reasoning, end in ((True, "</think>"), (False, None)):  # vLLM: hidden thinking is not waited for
+            client.chat.completions.create(model="tiny-reasoner", messages=MESSAGES, max_tokens=2,
+                                           extra_body={"guided_choice": ["a", "b"],
+                                                       "include_reasoning": include_reasoning})
+            assert queued.pop().structured_outputs.reasoning_end == end
+        client.completions.create(model="tiny-reasoner", prompt="x", max_tokens=2, extra_body={"guided_regex": "a+"})
+        assert queued.pop().structured_outputs.reasoning_end == "</think>"  # vLLM's reasoner acts on every route
 
 
 def test_json_whitespace_fields_reach_the_constraint():

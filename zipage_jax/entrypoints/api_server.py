@@ -31,7 +31,7 @@ from zipage_jax.entrypoints.cli_args import PROG, parse_args
 from zipage_jax.entrypoints.http_guard import RequestGuard, guarded_protocol
 from zipage_jax.entrypoints.prometheus import ServerMetrics
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from zipage_jax.entrypoints.reasoning import ReasoningParser
+from zipage_jax.entrypoints.reasoning import END, ReasoningParser
 from zipage_jax.entrypoints.sampling_defaults import sampling_defaults
 from zipage_jax.entrypoints.server_logging import log_stats, quiet_probes
 from zipage_jax.entrypoints.serving_chat import OpenAIServingChat
@@ -104,7 +104,7 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
     names = tuple([served_model_name] if isinstance(served_model_name, str) else served_model_name or [info.model_name])
     max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
     settings = ServingSettings(names, sampling_defaults(generation_config, info.model_path, override_generation_config),
-                               max_logprobs, log_requests, max_log_len)
+                               max_logprobs, log_requests, max_log_len, reasoning_end=END if reasoning else None)
     tokenizing = Tokenizing(core.tokenizer, max_prompt_chars, chat_template)
     completion = OpenAIServingCompletion(async_engine, tokenizing, settings)
     chat = OpenAIServingChat(async_engine, tokenizing, settings, reasoning, tool_settings)

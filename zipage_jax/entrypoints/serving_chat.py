@@ -12,7 +12,7 @@ from zipage_jax.engine.messages import Accepted
 from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.entrypoints import logprob_formats, structured_requests
 from zipage_jax.entrypoints.protocol import ChatCompletionRequest, chat_template_kwargs
-from zipage_jax.entrypoints.reasoning import END, ReasoningParser
+from zipage_jax.entrypoints.reasoning import ReasoningParser
 from zipage_jax.entrypoints.serving_engine import ChoiceStream, OpenAIServing, RequestView
 from zipage_jax.entrypoints.tool_calls import ToolPlan, ToolSettings, wire
 
@@ -36,8 +36,7 @@ class OpenAIServingChat(OpenAIServing):
         if tools is not None and tools.constraint() is not None:
             found.append(tools.constraint())
         # vLLM: the structure applies after the thinking, unless the thinking is not returned
-        reasoning_end = END if self.reasoning is not None and body.include_reasoning else None
-        extra = await self.constraints(body, found, reasoning_end)
+        extra = await self.constraints(body, found, self.settings.reasoning_end if body.include_reasoning else None)
         if tools is not None and tools.skip_special_tokens is not None:
             extra["skip_special_tokens"] = tools.skip_special_tokens
         prompt = await self.tokenizing.render_chat([m.as_template_message() for m in body.messages],

@@ -22,7 +22,7 @@ class OpenAIServingCompletion(OpenAIServing):
         arrival = time.monotonic()
         request_id = self.start(body)
         prompts = body.prompt_batch()
-        extra = await self.constraints(body, structured_requests.requested(body))
+        extra = await self.constraints(body, structured_requests.requested(body), self.settings.reasoning_end)
         for text in prompts:
             if isinstance(text, str):
                 self.tokenizing.check_chars([text], "prompt")  # every prompt, before any is tokenized

@@ -75,13 +75,16 @@ class EventStream(StreamingResponse):
 class ServingSettings:
     """What every route shares of the server's options. ``model_names``: the ids a request may name (the first is
     the one responses carry); ``sampling_defaults``: SamplingParams fields for what a request leaves unset (the
-    model's generation config, ``sampling_defaults``); ``max_logprobs``: the most logprobs a request may ask."""
+    model's generation config, ``sampling_defaults``); ``max_logprobs``: the most logprobs a request may ask;
+    ``reasoning_end``: where a constraint starts (``</think>`` with a reasoning parser: after the thinking, as vLLM's
+    structured outputs do on every route)."""
 
     model_names: tuple[str, ...]
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
     log_requests: bool = False
     max_log_len: int | None = None
+    reasoning_end: str | None = None
 
 
 class RequestView:
@@ -184,10 +187,10 @@ class OpenAIServing:
             log.warning("%s: ignored fields this server does not use: %s", request_id, ", ".join(ignored))
         return request_id
 
-    async def constraints(self, body, found: list[structured_requests.Constraint],
-                          reasoning_end: str | None = None) -> dict:
+    async def constraints(self, body, found: list[structured_requests.Constraint], reasoning_end: str | None) -> dict:
         """The SamplingParams fields of ``body``'s constraint (``found``, compiled off the event loop: a schema may be
-        large) and of its ``logit_bias``; a 400 naming the field for a bad one, before anything is queued."""
+        large; starting after ``reasoning_end``) and of its ``logit_bias``; a 400 naming the field for a bad one,
+        before anything is queued."""
         extra = {}
         bias = structured_requests.logit_bias(body)
         if bias:
