@@ -442,12 +442,12 @@ def test_ignored_fields_are_named_in_one_warning_per_request(live, model, caplog
         assert len(warnings()) == 1
         assert all(name in warnings()[0] for name in ("request_id", "cache_salt", "vllm_xargs", "length_penalty"))
         assert not any(name in warnings()[0] for name in ("best_of", "logit_bias", "user", "add_special"))
-        chat = _chat(model=model, max_tokens=2, parallel_tool_calls=False, tool_choice="none",
+        chat = _chat(model=model, max_tokens=2, service_tier="auto", parallel_tool_calls=False, tool_choice="none",
                      stream_options={"include_usage": True, "extra": 1}, stream=True,
                      messages=[{"role": "user", "content": "hi", "reasoning_content": None}])
         sse_events(f"{live.url}/v1/chat/completions", chat)
         assert len(warnings()) == 2
-        assert all(name in warnings()[1] for name in ("parallel_tool_calls", "stream_options.extra",
+        assert all(name in warnings()[1] for name in ("service_tier", "stream_options.extra",
                                                       "messages[].reasoning_content"))
         assert httpx.post(f"{live.url}/v1/completions", json=_completion(model=model), timeout=HANG_S).status_code == 200
         assert len(warnings()) == 2  # nothing ignored: no warning
@@ -733,10 +733,10 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", _completion(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens", "truncate_prompt"),
     ("/v1/completions", _completion(stream_options={"include_usage": True}), 400, "stream_options", "stream"),
     ("/v1/completions", _completion(stream=True, prompt_logprobs=1), 400, "prompt_logprobs", "stream"),
-    ("/v1/completions", _completion(logit_bias={"5": 10}), 400, "logit_bias", "not supported"),
+    ("/v1/completions", _completion(allowed_token_ids=[5]), 400, "allowed_token_ids", "not supported"),
     ("/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search", "not supported"),
     ("/v1/completions", _completion(best_of=3), 400, "best_of", "not supported"),
-    ("/v1/completions", _completion(guided_json={"type": "object"}), 400, "guided_json", "not supported"),
+    ("/v1/completions", _completion(structural_tag='{"x": 1}'), 400, "structural_tag", "not supported"),
     ("/v1/completions", _completion(prompt=""), 400, "prompt", "empty"),
     ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
     ("/v1/completions", _completion(prompt=[10**6]), 400, "prompt", "token ids"),
@@ -758,10 +758,8 @@ BAD_REQUESTS = [  # (path, body, status, param or None, message fragment)
     ("/v1/chat/completions", _chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", "top_logprobs"),
     ("/v1/chat/completions", _chat(top_logprobs=3), 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", _chat(logprobs=1), 400, "logprobs", "logprobs"),
-    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     "not supported"),
-    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400, "response_format",
-     "not supported"),
+    ("/v1/chat/completions", _chat(functions=[{"name": "f"}]), 400, "functions", "not supported"),
+    ("/v1/chat/completions", _chat(bad_words=["x"]), 400, "bad_words", "not supported"),
     ("/v1/chat/completions", _chat(continue_final_message=True), 400, "continue_final_message",
      "add_generation_prompt"),
     ("/v1/chat/completions", _chat(model="other"), 404, "model", "does not exist"),

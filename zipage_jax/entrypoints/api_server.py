@@ -2,7 +2,8 @@
 
 Completions and chat completions (streamed as server-sent events or not), models, vLLM's tokenizer endpoints,
 health, version, Prometheus metrics. The request surface is vLLM's (`protocol`): logprobs in OpenAI's formats
-(`logprob_formats`), echo, prompt logprobs, continuous usage in streams, reasoning parsers (`reasoning`). Every
+(`logprob_formats`), echo, prompt logprobs, continuous usage in streams, reasoning parsers (`reasoning`), structured
+outputs (`structured_requests`), tool calls (`tool_calls`, `tool_parsers`). Every
 error, including validation, is a 4xx in OpenAI's `{"error": {...}}` shape. One engine loop batches the requests
 of all clients; `serve` runs it in a process of its own (`engine.core_client`), so HTTP, JSON and SSE here never
 hold the GIL it needs, and no request stalls the others: the HTTP guard (`http_guard`) bounds what a connection
@@ -30,7 +31,7 @@ from zipage_jax.entrypoints.cli_args import PROG, parse_args
 from zipage_jax.entrypoints.http_guard import RequestGuard, guarded_protocol
 from zipage_jax.entrypoints.prometheus import ServerMetrics
 from zipage_jax.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from zipage_jax.entrypoints.reasoning import ReasoningParser
+from zipage_jax.entrypoints.reasoning import END, ReasoningParser
 from zipage_jax.entrypoints.sampling_defaults import sampling_defaults
 from zipage_jax.entrypoints.server_logging import log_stats, quiet_probes
 from zipage_jax.entrypoints.serving_chat import OpenAIServingChat
@@ -38,6 +39,7 @@ from zipage_jax.entrypoints.serving_completion import OpenAIServingCompletion
 from zipage_jax.entrypoints.serving_engine import ServingSettings
 from zipage_jax.entrypoints.serving_tokenization import ServingTokenization
 from zipage_jax.entrypoints.tokenizing import Tokenizing
+from zipage_jax.entrypoints.tool_calls import ToolSettings
 from zipage_jax.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
                reasoning_parser: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
                override_generation_config: dict | None = None, max_logprobs: int = MAX_LOGPROBS,
                max_prompt_chars: int | None = None, max_body_bytes: int | None = None, read_timeout: float = 30.0,
-               log_requests: bool = False, max_log_len: int | None = None, log_stats_s: float | None = None) -> FastAPI:
+               log_requests: bool = False, max_log_len: int | None = None, log_stats_s: float | None = None,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app over ``engine``: an `LLMEngine` (its loop then runs on a thread of this process) or a launched
     ``core_client.ProcessCore``. Its lifespan starts the engine loop and, on shutdown, aborts what runs and waits
     for the loop to end. The options are the command line's (``cli_args``); a bad one is a ValueError naming it.
@@ -89,9 +92,11 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
     With ``warmup`` the loop thread first compiles the engine's programs while the server already answers:
     ``/health`` says 503 ``starting`` (with progress) and requests get a 503 until it is done; with
     ``ready_early`` until a light load's programs are, the rest compiling in the background. With
-    ``reasoning_parser`` (``reasoning.PARSERS``) chat replies split their thinking into ``reasoning_content``.
+    ``reasoning_parser`` (``reasoning.PARSERS``) chat replies split their thinking into ``reasoning_content``; with
+    ``enable_auto_tool_choice`` and ``tool_call_parser`` (``tool_parsers.PARSERS``) ``tool_choice: auto`` is served.
     ``log_stats_s``: log the throughput line this often (None: never). Serve it with ``server_config``."""
     reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
+    tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)
     async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests, warmup=warmup,
                                ready_early=ready_early)
     core, responses = async_engine.core, Counter()  # responses: (endpoint, HTTP status) -> count
@@ -99,10 +104,10 @@ def create_app(engine, *, api_key: str | None = None, max_queued_requests: int =
     names = tuple([served_model_name] if isinstance(served_model_name, str) else served_model_name or [info.model_name])
     max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
     settings = ServingSettings(names, sampling_defaults(generation_config, info.model_path, override_generation_config),
-                               max_logprobs, log_requests, max_log_len)
+                               max_logprobs, log_requests, max_log_len, reasoning_end=END if reasoning else None)
     tokenizing = Tokenizing(core.tokenizer, max_prompt_chars, chat_template)
     completion = OpenAIServingCompletion(async_engine, tokenizing, settings)
-    chat = OpenAIServingChat(async_engine, tokenizing, settings, reasoning)
+    chat = OpenAIServingChat(async_engine, tokenizing, settings, reasoning, tool_settings)
     tokenization = ServingTokenization(tokenizing, info.max_model_len, completion.check_model)
     most_pages = -(-info.max_model_len // info.config.page_size) + 1  # a full context's, and one more
     metrics = ServerMetrics(names[0], info.max_model_len, most_pages,
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None, prog: str = PROG):
                          override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
                          max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                          read_timeout=args.request_read_timeout, log_requests=args.enable_log_requests,
-                         max_log_len=args.max_log_len, log_stats_s=None if args.disable_log_stats else 10.0)
+                         max_log_len=args.max_log_len, log_stats_s=None if args.disable_log_stats else 10.0,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     except ValueError as e:  # what only the model and the device tell: its context, the memory plan, a Hub id
         option_error(parser, e)
     except RuntimeError as e:  # the engine process failed to start

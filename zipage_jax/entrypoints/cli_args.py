@@ -10,6 +10,7 @@ import pathlib
 
 from zipage_jax.config import DEFAULT_MODEL, add_engine_options, human_int
 from zipage_jax.entrypoints.reasoning import PARSERS
+from zipage_jax.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 from zipage_jax.entrypoints.vllm_flags import add_vllm_flags, vllm_flag_notes
 from zipage_jax.sampling_params import MAX_LOGPROBS
 
@@ -85,6 +86,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              "the GIL the loop needs to keep the device fed (default: %(default)s)")
     server.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                         help="split chat replies' <think>...</think> into reasoning_content, as vLLM does")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice 'auto' (the default of requests with tools): the model's calls are "
+                             "read from its reply by --tool-call-parser, as vLLM does")
+    server.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls: hermes (Qwen3, Qwen2.5, Hermes: <tool_call> JSON "
+                             "</tool_call>)")
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     logs.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
@@ -113,6 +120,8 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> tuple[argpars
     args.notes, error = vllm_flag_notes(args)
     if error:
         parser.error(error)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice: needs --tool-call-parser")
     if args.max_queued_requests < 0:
         parser.error("--max-queued-requests must be >= 0")
     if args.generation_config not in ("auto", "vllm") and not pathlib.Path(args.generation_config).is_dir():

@@ -2,8 +2,10 @@
 
 Like vLLM's server, a request may carry fields this server does not declare: they are accepted and named in one
 warning per request (``ignored_fields``), so clients written for vLLM or OpenAI work unchanged. Fields vLLM
-implements and this server does not (structured output, tools, beam search, ...) are refused with a 400 when
-they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Declared fields are
+implements and this server does not (beam search, the legacy ``functions``, ...) are refused with a 400 when
+they ask for something (``UNSUPPORTED``), and accepted when they carry their neutral value. Structured outputs
+(``response_format``, ``structured_outputs``, vLLM's ``guided_*``) and tools are declared here and turned into the
+engine's constraint by ``structured_requests`` and ``tool_calls``. Declared fields are
 strict (no string-to-number coercion). Value ranges are left to `SamplingParams`, the single source of truth;
 its `ValueError`s become 400s too. Every string of a request, ignored fields included, must be valid Unicode (JSON
 may escape a lone surrogate, ``"\\ud800"``, which no tokenizer encodes): one that is not is a 400 naming it.
@@ -15,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from zipage_jax.entrypoints.constraint_protocol import ChatTool, NamedToolChoice, ResponseFormat, \
+    StructuredOutputsRequest, template_call
 from zipage_jax.sampling_params import MAX_LOGPROBS
 
 MAX_N = 128  # choices per request; larger fan-outs belong in separate requests
@@ -103,20 +107,12 @@ def _empty(value) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any, "_GenerationRequest"], bool]] = {
     "best_of": lambda v, r: v is None or v == r.n,
     "use_beam_search": lambda v, r: v in (None, False),
-    "logit_bias": lambda v, r: _empty(v),
     "allowed_token_ids": lambda v, r: _empty(v),
     "bad_words": lambda v, r: _empty(v),
     "logits_processors": lambda v, r: _empty(v),
     "prompt_embeds": lambda v, r: _empty(v),
     "suffix": lambda v, r: _empty(v),
-    "response_format": lambda v, r: v is None or v == {"type": "text"},
-    "guided_json": lambda v, r: v is None,
-    "guided_regex": lambda v, r: v is None,
-    "guided_choice": lambda v, r: v is None,
-    "guided_grammar": lambda v, r: v is None,
     "structural_tag": lambda v, r: v is None,
-    "tools": lambda v, r: _empty(v),
-    "tool_choice": lambda v, r: v in (None, "none", "auto"),
     "functions": lambda v, r: _empty(v),
     "function_call": lambda v, r: v in (None, "none", "auto"),
     "chat_template": lambda v, r: v is None,
@@ -178,6 +174,19 @@ class _GenerationRequest(_Request):
         None, description="Extension: the most KV pages one choice may hold; older tokens are evicted "
                           "(compressed) to stay within it.")
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a string, as OpenAI sends it) -> a bias added to its logit, clamped to "
+                          "[-100, 100].")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON valid against json_schema.schema.")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="Extension (vLLM): the output satisfies one of json, regex, choice, grammar, json_object.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension (vLLM): a JSON schema.")
+    guided_regex: str | None = Field(None, description="Extension (vLLM): a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="Extension (vLLM): one of these strings.")
+    guided_grammar: str | None = Field(None, description="Extension (vLLM): a Lark or GBNF grammar.")
+    guided_whitespace_pattern: str | None = Field(None, description="Extension (vLLM): JSON's whitespace, a "
+                                                                    "regular expression.")
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (everything else keeps the engine default)."""
@@ -272,6 +281,9 @@ class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant message's calls (OpenAI's "
+                                                                      "shape), shown to the chat template.")
+    tool_call_id: str | None = Field(None, description="A tool message's call.")
 
     @property
     def text(self) -> str:
@@ -280,8 +292,15 @@ class ChatMessage(_Open):
         return "".join(p.text for p in self.content)
 
     def as_template_message(self) -> dict:
-        """What a chat template expects: role + plain string content ("developer" is OpenAI's new "system")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        """What a chat template expects: role + plain string content ("developer" is OpenAI's new "system"), and
+        an assistant's tool calls with their arguments as objects (vLLM parses them: templates write them with
+        ``tojson``) and a tool message's call id."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -303,6 +322,12 @@ class ChatCompletionRequest(_GenerationRequest):
     documents: list[dict[str, str]] | None = Field(None, description="Extension: documents for the chat template.")
     include_reasoning: bool = Field(True, description="Extension: with --reasoning-parser, return the thinking "
                                                       "as reasoning_content.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call (the chat template gets "
+                                                           "them).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (with --enable-auto-tool-choice; the default with tools), required (at least "
+                          "one call, forced by the grammar) or a named function (its arguments, forced).")
+    parallel_tool_calls: bool | None = Field(None, description="false: only the first tool call is returned.")
 
     @property
     def logprobs_width(self) -> int | None:
@@ -359,6 +384,7 @@ class TokenizeChatRequest(_Request):
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    tools: list[ChatTool] | None = None
 
     def check(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -377,4 +403,6 @@ def chat_template_kwargs(body) -> dict:
                   continue_final_message=body.continue_final_message)
     if body.documents is not None:
         kwargs["documents"] = body.documents
+    if body.tools:  # as vLLM, the template sees the tools whatever tool_choice says
+        kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools]
     return kwargs

@@ -1,5 +1,6 @@
 """``/v1/completions`` (vLLM's ``serving_completion``): a prompt or a batch of prompts, text or token ids, each with
-``n`` choices; echo (the prompt before its completion, with its logprobs) and OpenAI's completion logprobs."""
+``n`` choices; echo (the prompt before its completion, with its logprobs), OpenAI's completion logprobs, structured
+outputs and logit_bias (``structured_requests``)."""
 
 import time
 
@@ -7,7 +8,7 @@ from fastapi import Request
 
 from zipage_jax.engine.messages import Accepted
 from zipage_jax.engine.request_group import ChoiceOutput
-from zipage_jax.entrypoints import logprob_formats
+from zipage_jax.entrypoints import logprob_formats, structured_requests
 from zipage_jax.entrypoints.protocol import CompletionRequest
 from zipage_jax.entrypoints.serving_engine import ChoiceStream, OpenAIServing, RequestView
 
@@ -21,12 +22,13 @@ class OpenAIServingCompletion(OpenAIServing):
         arrival = time.monotonic()
         request_id = self.start(body)
         prompts = body.prompt_batch()
+        extra = await self.constraints(body, structured_requests.requested(body), self.settings.reasoning_end)
         for text in prompts:
             if isinstance(text, str):
                 self.tokenizing.check_chars([text], "prompt")  # every prompt, before any is tokenized
         ids = [await self.tokenizing.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p)
                for p in prompts]
-        group = await self.submit(request_id, body, ids, arrival)
+        group = await self.submit(request_id, body, ids, arrival, extra)
         texts = [p if isinstance(p, str) else None for p in prompts]
         return await self.respond(request_id, CompletionView(self, body, group.accepted[::body.n], ids, texts), group,
                                   request)

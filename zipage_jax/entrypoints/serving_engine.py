@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from zipage_jax.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestRefused
 from zipage_jax.engine.messages import Accepted, NewRequest, Refused, field_of
 from zipage_jax.engine.request_group import ChoiceOutput, EngineStepError, RequestGroup
-from zipage_jax.entrypoints import logprob_formats
+from zipage_jax.entrypoints import logprob_formats, structured_requests
 from zipage_jax.entrypoints.protocol import APIError
 from zipage_jax.entrypoints.tokenizing import Tokenizing
 from zipage_jax.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -75,13 +75,16 @@ class EventStream(StreamingResponse):
 class ServingSettings:
     """What every route shares of the server's options. ``model_names``: the ids a request may name (the first is
     the one responses carry); ``sampling_defaults``: SamplingParams fields for what a request leaves unset (the
-    model's generation config, ``sampling_defaults``); ``max_logprobs``: the most logprobs a request may ask."""
+    model's generation config, ``sampling_defaults``); ``max_logprobs``: the most logprobs a request may ask;
+    ``reasoning_end``: where a constraint starts (``</think>`` with a reasoning parser: after the thinking, as vLLM's
+    structured outputs do on every route)."""
 
     model_names: tuple[str, ...]
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
     log_requests: bool = False
     max_log_len: int | None = None
+    reasoning_end: str | None = None
 
 
 class RequestView:
@@ -184,9 +187,22 @@ class OpenAIServing:
             log.warning("%s: ignored fields this server does not use: %s", request_id, ", ".join(ignored))
         return request_id
 
-    def sampling_params(self, body, max_tokens: int | None, choice: int) -> SamplingParams:
+    async def constraints(self, body, found: list[structured_requests.Constraint], reasoning_end: str | None) -> dict:
+        """The SamplingParams fields of ``body``'s constraint (``found``, compiled off the event loop: a schema may be
+        large; starting after ``reasoning_end``) and of its ``logit_bias``; a 400 naming the field for a bad one,
+        before anything is queued."""
+        extra = {}
+        bias = structured_requests.logit_bias(body)
+        if bias:
+            extra["logit_bias"] = bias
+        if found:
+            extra["structured_outputs"] = await self.tokenizing.run(
+                structured_requests.compile_constraint, structured_requests.with_whitespace(found, body), reasoning_end)
+        return extra
+
+    def sampling_params(self, body, max_tokens: int | None, choice: int, extra: dict | None = None) -> SamplingParams:
         kwargs = dict(self.settings.sampling_defaults, **body.sampling_kwargs(), max_tokens=max_tokens,
-                      logprobs=body.logprobs_width, prompt_logprobs=body.prompt_logprobs_width)
+                      logprobs=body.logprobs_width, prompt_logprobs=body.prompt_logprobs_width, **(extra or {}))
         if body.seed is not None:
             kwargs["seed"] = body.seed + choice  # distinct but reproducible choices, like LLM.generate
         try:
@@ -194,16 +210,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param=field_of(exc)) from exc
 
-    async def submit(self, request_id: str, body, prompts: list[list[int]], arrival: float) -> RequestGroup:
+    async def submit(self, request_id: str, body, prompts: list[list[int]], arrival: float,
+                     extra: dict | None = None) -> RequestGroup:
         """Queue ``n`` choices per prompt, all or none (``RequestGroup.accepted``: what the engine queued of each,
         truncated where ``truncate_prompt_tokens`` asks). ``max_tokens`` goes as the client asked it (or as the
         sampling defaults say, where it asked none): the engine fits it to the context or refuses the request, a
-        refusal this answers with a 400. ``arrival``: when the request came (``time.monotonic()``)."""
+        refusal this answers with a 400. ``arrival``: when the request came (``time.monotonic()``); ``extra``:
+        SamplingParams fields the route decided (``constraints``)."""
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = self.settings.sampling_defaults.get("max_tokens")
         max_tokens = 1 if body.echo_only else max_tokens
-        params = [self.sampling_params(body, max_tokens, j) for j in range(body.n)]
+        params = [self.sampling_params(body, max_tokens, j, extra) for j in range(body.n)]
         requests = [NewRequest(f"{request_id}-{p * body.n + j}", ids, params[j])
                     for p, ids in enumerate(prompts) for j in range(body.n)]
         if len(requests) > self.async_engine.capacity:

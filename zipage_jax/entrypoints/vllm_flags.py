@@ -20,7 +20,7 @@ class Flag:
 
     @property
     def dest(self) -> str:
-        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+        return "vllm_" + self.names[0].lstrip("-").replace("-", "_").replace(".", "_")
 
     def harmless(self, value) -> bool:
         if self.values is None:
@@ -45,6 +45,8 @@ FLAGS = (
     Flag(("--quantization", "-q"), "quantized checkpoints are not supported", ("none",)),
     Flag(("--load-format",), "weights load from safetensors", ("auto", "safetensors")),
     Flag(("--tokenizer-mode",), "the tokenizer loads through transformers", ("auto", "hf")),
+    Flag(("--structured-outputs-config.backend", "--guided-decoding-backend"),
+         "structured outputs always compile with llguidance", ANY),
 )
 
 
