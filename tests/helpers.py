@@ -42,13 +42,20 @@ def warmup_programs(worker) -> list:
     return [p for bucket in worker.catalog.warmup_buckets(worker.params, worker.state) for p in bucket.programs]
 
 
-def layer0_qk(engine, tokens, positions):
-    """Post-RoPE layer-0 queries [T, Hq, D] and keys [T, Hkv, D]: functions of token and position alone."""
-    params, cfg = checkpoint_params(engine), engine.model_cfg
+@functools.partial(jax.jit, static_argnums=1)
+def _layer0_qk(params, cfg, tokens, positions):
     layer = jax.tree.map(lambda x: x[0], params.layers)
-    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), cfg)
-    h = rms_norm(params.embed[jnp.asarray(tokens)], layer.input_norm, cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, cfg)
+    h = rms_norm(params.embed[tokens], layer.input_norm, cfg.rms_norm_eps)
     q, k, _ = _qkv(layer, cfg, h, cos, sin)
+    return q, k
+
+
+def layer0_qk(engine, tokens, positions):
+    """Post-RoPE layer-0 queries [T, Hq, D] and keys [T, Hkv, D]: functions of token and position alone (compiled
+    once per length: op by op, each length compiled a dozen small programs)."""
+    q, k = _layer0_qk(checkpoint_params(engine), engine.model_cfg, jnp.asarray(tokens, jnp.int32),
+                      jnp.asarray(positions, jnp.int32))
     return np.asarray(q, np.float64), np.asarray(k, np.float64)
 
 

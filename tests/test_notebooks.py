@@ -86,13 +86,16 @@ def test_quickstart_executes_to_the_same_shape(tmp_path, monkeypatch):
     notebook = read("quickstart.ipynb")
     for cell in code_cells(notebook):
         cell.outputs, cell.execution_count = [], None
-    parameters = code_cells(notebook)[0]
+    parameters, engines = code_cells(notebook)[:2]
     # every cell, less work: two problems (the sweep's batch fits the smallest decode bucket) and 128 tokens (every
     # answer is cut there, so the derived budget is the smallest, 2 pages, compressing 8 times a request, and the
-    # sweep runs budgets 2 and 4: each cell prints and plots what it does at 800 tokens)
-    for full, light in (("NUM_PROBLEMS = 8", "NUM_PROBLEMS = 2"), ("max_tokens=800", "max_tokens=128")):
-        assert full in parameters.source
-        parameters.source = parameters.source.replace(full, light)
+    # sweep runs budgets 2 and 4: each cell prints and plots what it does at 800 tokens); the engines hold 256 tokens
+    # a request (prompt and 128 tokens fit), so the page tables the steps read are a quarter as wide
+    for cell, full, light in ((parameters, "NUM_PROBLEMS = 8", "NUM_PROBLEMS = 2"),
+                              (parameters, "max_tokens=800", "max_tokens=128"),
+                              (engines, "max_model_len=1024", "max_model_len=256")):
+        assert full in cell.source
+        cell.source = cell.source.replace(full, light)
     # the kernel imports this checkout's zipage_jax, wherever the package is installed from
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     client = nbclient.NotebookClient(notebook, timeout=HANG_S, kernel_name="python3",

@@ -114,8 +114,10 @@ def test_backends_declare_their_compression_kernels():
 
 def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     """The runner hands its backend to the compression step: the kernel path gives the jnp path's tokens
-    (a tiny bf16 model with the kernel's head dim 64; several compressions, a first one of 4 pages; the two prompts
-    fill one 64-token prefill step: one prefill program a backend)."""
+    (a tiny bf16 model with the kernel's head dim 64; two compressions a request, a first one and one with history,
+    all of 3 pages: one compression program a backend, each interpreted kernel compiled once (a first compression of
+    4 pages through the kernels: ``test_compress_with_the_kernel_equals_jnp``); the two prompts fill one 64-token
+    prefill step: one prefill program a backend)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     traced = []  # the kernel's traces: the compression step really scores through the backend's kernel
@@ -123,8 +125,8 @@ def test_engine_compression_through_the_kernel_backend_equals_jnp(monkeypatch):
     monkeypatch.setitem(attention.BACKENDS, backend.name, backend)
     model_cfg = dataclasses.replace(MODEL_SHAPES["tiny"], head_dim=64, dtype="bfloat16")
     params = weights.init_random_params(model_cfg, jax.random.key(seed), jnp.bfloat16)
-    prompts = [rng.integers(0, model_cfg.vocab_size, size=n).tolist() for n in (60, 4)]
-    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=56)
+    prompts = [rng.integers(0, model_cfg.vocab_size, size=n).tolist() for n in (30, 30)]
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=36)  # compressions at 49 and 65 tokens
 
     def generate(backend_name):
         config = EngineConfig.from_kwargs("random:tiny", dtype="bfloat16", page_size=16, max_model_len=128,
