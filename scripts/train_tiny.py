@@ -37,8 +37,8 @@ The tolerant stand-in (issue 48) trains the three tasks under KV dropout (--kv-d
 an eviction row its own random subset of the old tokens at a budget of 5-50 %, sinks and a recent window kept;
 `zipage_jax.tasks.kv_dropout`), warm-started from the two-task model (`scripts/gpu_third_task.sh`, STAGE=train):
 
-    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner --init zipage_jax/assets/tiny-reasoner-two-tasks \
-        --tasks repeated_addition,interleaved_sums,stored_product,stored_product --kv-dropout --evict-fraction 0.5 \
+    PYTHONPATH=. python3 scripts/train_tiny.py --out /tmp/tiny-reasoner \
+        --init zipage_jax/assets/tiny-reasoner-two-tasks --tasks repeated_addition,interleaved_sums,stored_product,stored_product --kv-dropout --evict-fraction 0.5 \
         --batch 128 --lr 1e-3 --warmup 60 --train-seconds 300
 
 --train-seconds sizes the step count to the wall time and prints it; passing that count as --steps (without
