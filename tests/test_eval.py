@@ -123,6 +123,11 @@ def test_synthetic_items_come_from_the_task_generator():
     problems = TASKS["interleaved_sums"](5, 2, "test")
     assert moving == [{"question": p.question, "answer": p.answer} for p in problems]
     assert all(is_correct(p.solution(), item["answer"]) for p, item in zip(problems, moving))
+    stored = synthetic_items("synthetic:stored_product:test:5:2")
+    problems = TASKS["stored_product"](5, 2, "test")
+    assert stored == [{"question": p.question, "answer": p.answer} for p in problems]
+    assert all(is_correct(p.solution(), item["answer"]) for p, item in zip(problems, stored))
+    assert not any(is_correct(p.solution().replace(p.answer, p.answer[:-1]), p.answer) for p in problems)
     for bad in ("synthetic:test", "synthetic:dev:5", "synthetic:test:zero", "synthetic:test:0",
                 "synthetic:test:5:1:2", "synthetic:interleaved_sums:test", "synthetic:other_task:test:5"):
         with pytest.raises(ValueError, match="data: "):

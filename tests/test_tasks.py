@@ -6,9 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from zipage_jax.tasks import TASKS, Problem, boxed_answer, interleaved_sums, sample_problems
-from zipage_jax.tasks.tokenizer import IM_END_ID, build_tokenizer, chat_prompt, encode_chat, save_tokenizer
-from seeds import seeded_rng
+from zipage_jax.tasks import TASKS, Problem, boxed_answer, interleaved_sums, sample_problems, stored_product
+from zipage_jax.tasks.tokenizer import (IM_END_ID, build_tokenizer, chat_prompt, encode_chars, encode_chat,
+                                       save_tokenizer)
+from seeds import fresh_seed, seeded_rng
 
 
 def test_sampling_is_deterministic_by_seed():
@@ -129,4 +130,67 @@ def test_interleaved_splits_lengths_and_bad_inputs():
         interleaved_sums.InterleavedProblem(12345, 20, 12345, 31)
     with pytest.raises(ValueError, match="split"):
         interleaved_sums.sample_problems(1, seed=0, split="dev")
-    assert set(TASKS) == {"repeated_addition", "interleaved_sums"}
+    assert set(TASKS) == {"repeated_addition", "interleaved_sums", "stored_product"}
+
+
+# ---------------------------------------------------------------- stored product (an old step matters)
+
+def test_stored_product_is_deterministic_and_its_splits_disjoint():
+    seed = fresh_seed()
+    problems = stored_product.sample_problems(40, seed=seed, split="train")
+    assert problems == stored_product.sample_problems(40, seed=seed, split="train")
+    assert problems != stored_product.sample_problems(40, seed=seed + 1, split="train")
+    train = {p.question for p in stored_product.sample_problems(2000, seed=0, split="train")}
+    test = {p.question for p in stored_product.sample_problems(200, seed=0, split="test")}
+    assert train and test and not train & test
+    assert all(p.split == "test" for p in stored_product.sample_problems(50, seed=1, split="test"))
+
+
+def test_stored_product_trace_and_checker():
+    for p in stored_product.sample_problems(50, seed=fresh_seed(), split="test"):
+        text = p.solution()
+        assert p.check(text) and boxed_answer(text) == str(p.a * p.b + p.c * p.d)
+        lines = text.split("\n")
+        assert all(len(line) == 11 for line in lines[:-1])  # every line 12 tokens with its newline
+        assert [int(line[1:3]) for line in lines[: p.b]] == list(range(1, p.b + 1))
+        assert all(int(line[4:][::-1]) == (k + 1) * p.a for k, line in enumerate(lines[: p.b]))
+        assert lines[p.b] == "Mem:" + lines[p.b - 1][4:] and p.recalled_lines() == [p.b - 1, p.b]
+        c_lines = lines[p.b + 1 : -3]
+        assert len(c_lines) == p.d and all(int(x[4:][::-1]) == (k + 1) * p.c for k, x in enumerate(c_lines))
+        recall, total = lines[-3], lines[-2]
+        assert recall == lines[p.b] and int(total[4:][::-1]) == int(recall[4:][::-1]) + int(c_lines[-1][4:][::-1])
+        assert text.endswith("\n" + p.conclusion) and p.conclusion == "\n".join(lines[-3:])
+        for wrong in (str(int(p.answer) + 1), p.answer[:-1], str(p.c * p.d), str(p.a * p.b)):
+            assert not p.check(text.replace(f"{{{p.answer}}}", f"{{{wrong}}}"))
+        assert not p.check(text[: -len(p.conclusion)])  # no box at all
+
+
+def test_stored_product_lengths_and_bad_inputs():
+    problems = stored_product.sample_problems(300, seed=6, split="train")
+    prompt = {len(encode_chat(p.question)) for p in problems}
+    assert len(prompt) == 1 and prompt.pop() <= 64  # equal prompt lengths: the trainer's greedy eval batches them
+    lengths = [len(encode_chat(p.question, p.solution())) for p in problems]
+    assert max(lengths) <= 832 and np.mean(lengths) - len(encode_chat(problems[0].question)) >= 512
+    assert all(len(encode_chars(p.question + p.solution())) == len(p.question + p.solution()) for p in problems[:5])
+    for args, field in (((1234, 5, 12345, 40), "a must"), ((12345, 9, 12345, 40), "b must"),
+                        ((12345, 5, 123456, 40), "c must"), ((12345, 5, 12345, 51), "d must")):
+        with pytest.raises(ValueError, match=field):
+            stored_product.StoredProblem(*args)
+    with pytest.raises(ValueError, match="split"):
+        stored_product.sample_problems(1, seed=0, split="dev")
+
+
+def test_prompt_and_recent_window_do_not_hold_the_stored_product():
+    """The oracle of why recency fails: at the answer (the recall line's first token), the prompt plus the
+    latest half of the mean output (twice the sweep's largest budget, 25 %) hold P in neither digit order."""
+    problems = stored_product.sample_problems(200, seed=fresh_seed(), split="test")
+    mean_output = np.mean([len(p.solution()) + 1 for p in problems])
+    window = int(mean_output / 2)
+    for p in problems:
+        before_answer = p.solution()[: -len(p.conclusion)]
+        visible = p.question + "\n" + before_answer[-window:]
+        stored = str(p.stored)
+        assert stored[::-1].ljust(7, "0") not in visible and stored not in visible, p
+        assert stored[::-1].ljust(7, "0") in before_answer  # ... while the whole trace does
+        # nor can any line in the window have read it: none of them is an A or Mem line
+        assert not any(line[0] in "AM" for line in before_answer[-window:].split("\n")[1:] if line)

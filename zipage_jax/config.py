@@ -18,7 +18,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spelling
 ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
 
 
-EVICTION_POLICIES = ("zipage", "window")
+EVICTION_POLICIES = ("zipage", "window", "triattention")
 REDUNDANCY_MODES = ("off", "lightning", "full")
 
 
@@ -247,7 +247,9 @@ DESCRIPTIONS = {
                              "compile every start",
     "compression": "Compressed PagedAttention on/off (off = full-KV mode)",
     "kv_budget_pages": "budget `M`: a request holds at most `M+1` pages after its first compression",
-    "eviction_policy": "`zipage` (attention scores) or `window` (sinks + most recent tokens)",
+    "eviction_policy": "`zipage` (attention scores), `window` (sinks + most recent tokens) or `triattention` "
+                       "(scores without queries: calibrated centres of the queries before RoPE, the model's "
+                       "`query_centres.npz`)",
     "window": "`W` recent queries that score; the last `W` slots are never evicted",
     "sink_tokens": "first tokens never evicted",
     "global_score": "combine scores with their decayed history: `G = max(A, decay * G_old)` from the score cache",

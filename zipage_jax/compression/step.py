@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from zipage_jax.compression.compaction import scatter_slots
 from zipage_jax.compression.scoring import paged_redundancy_scores, protect, recency_scores, zipage_scores
 from zipage_jax.compression.selection import select_slots
+from zipage_jax.compression.trig_scores import paged_trig_scores
 from zipage_jax.config import EVICTION_POLICIES, REDUNDANCY_MODES, ScoringConfig
 
 
@@ -35,7 +36,7 @@ class CompressionBatch:
     valid: jax.Array
 
 
-def _check(k_pool, score_cache, query_cache, batch, cfg):
+def _check(k_pool, score_cache, query_cache, batch, cfg, query_centres):
     num_layers, _, num_kv_heads, page_size, head_dim = k_pool.shape
     if cfg.eviction_policy not in EVICTION_POLICIES:
         raise ValueError(f"cfg.eviction_policy: must be one of {EVICTION_POLICIES} (got {cfg.eviction_policy!r})")
@@ -46,6 +47,12 @@ def _check(k_pool, score_cache, query_cache, batch, cfg):
                 or query_cache.shape[3] % num_kv_heads or query_cache.shape[4] != head_dim:
             raise ValueError(f"query_cache: expected [{num_layers}, C, {cfg.window}, Hq, {head_dim}] with Hq a "
                              f"multiple of {num_kv_heads} (got {query_cache.shape})")
+    if cfg.eviction_policy == "triattention":
+        shape = None if query_centres is None else query_centres.mean.shape
+        if shape is None or len(shape) != 3 or shape[0] != num_layers or shape[1] % num_kv_heads \
+                or shape[2] != head_dim:
+            raise ValueError(f"query_centres: expected mean [{num_layers}, Hq, {head_dim}] with Hq a multiple of "
+                             f"{num_kv_heads} (got {shape})")
     if cfg.tracks_history and score_cache.shape != k_pool.shape[:4]:
         raise ValueError(f"score_cache: expected {k_pool.shape[:4]} (got {score_cache.shape})")
     num_slots = batch.src_tables.shape[1] * page_size
@@ -55,13 +62,16 @@ def _check(k_pool, score_cache, query_cache, batch, cfg):
                          f"({cfg.window + cfg.sink_tokens}) <= kept < {num_slots} source slots")
 
 
-def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend):
+def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend, query_centres):
     """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``."""
     num_rows, num_pages_per_row = batch.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
     num_slots = num_pages_per_row * page_size
     if cfg.eviction_policy == "window":
         score = recency_scores(num_rows, num_kv_heads, num_slots)
+        history = jnp.zeros_like(score)
+    elif cfg.eviction_policy == "triattention":  # the future queries follow the last position written
+        score = paged_trig_scores(k_pool, layer, batch.src_tables, query_centres, batch.logical_lens - 1)
         history = jnp.zeros_like(score)
     else:
         ring = (batch.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
@@ -80,20 +90,22 @@ def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale,
     return protect(score, batch.num_src_pages, batch.valid, page_size, cfg), history
 
 
-def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_scale, backend):
+def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_scale, backend, query_centres=None):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
-    _check(k_pool, score_cache, query_cache, batch, cfg)
+    _check(k_pool, score_cache, query_cache, batch, cfg, query_centres)
     per_layer = jax.lax.map(
-        lambda layer: _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)[0],
+        lambda layer: _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend,
+                                    query_centres)[0],
         jnp.arange(k_pool.shape[0]),
     )
     return per_layer.transpose(1, 0, 2, 3)
 
 
 def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
-             backend):
+             backend, query_centres=None):
     """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
 
+    ``query_centres`` (``QueryCentres``) are what the "triattention" policy scores with (read by no other).
     Returns ``(k_pool, v_pool, score_cache)``; pages outside the valid rows' ``dst_tables`` are untouched.
     The score cache receives the kept slots' G when ``cfg.tracks_history``; otherwise it is neither read
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the
@@ -112,12 +124,13 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     A device loop over the layers: unrolling them in the program was slower (``bench compression``), so a
     dispatch's fixed cost is not the loop's.
     """
-    _check(k_pool, score_cache, query_cache, batch, cfg)
+    _check(k_pool, score_cache, query_cache, batch, cfg, query_centres)
     keep = batch.dst_tables.shape[1] * k_pool.shape[3]
 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
-        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend)
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend,
+                                        query_centres)
         kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
         k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
                                                batch.valid)

@@ -6,7 +6,7 @@ The report (printed, and written with `--output`) holds accuracy, output lengths
 compressions per request, the full configuration and one record per generated sample.
 
 `--data synthetic:[TASK:]SPLIT:N[:SEED]` evaluates on a synthetic task of the shipped model (`zipage_jax.tasks`;
-TASK `repeated_addition`, the default, or `interleaved_sums`) instead of a file, so the test split never needs to be stored. Every `EngineConfig` field is an option.
+TASK `repeated_addition`, the default, `interleaved_sums` or `stored_product`) instead of a file, so the test split never needs to be stored. Every `EngineConfig` field is an option.
 """
 
 from __future__ import annotations

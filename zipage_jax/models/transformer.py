@@ -79,8 +79,8 @@ def final_logits(params: Params | ServingParams, cfg: ModelConfig, x: jax.Array)
 
 
 def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, mask=None) -> jax.Array:
-    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal (or `mask` [T,T] / [B,T,T]), GQA by grouping query
-    heads, f32 softmax."""
+    """q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D]; causal (or `mask` [T,T] / [B,T,T] / [B,Hkv,T,T]), GQA by
+    grouping query heads, f32 softmax."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
@@ -88,6 +88,8 @@ def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: 
     causal = jnp.tril(jnp.ones((t, t), dtype=bool)) if mask is None else mask
     if causal.ndim == 3:  # per row: broadcast over the KV heads and their query groups
         causal = causal[:, None, None]
+    elif causal.ndim == 4:  # per row and KV head: broadcast over each head's query group
+        causal = causal[:, :, None]
     scores = jnp.where(causal, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v, preferred_element_type=jnp.float32)
@@ -95,17 +97,20 @@ def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: 
 
 
 def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None,
-                  attention_mask: jax.Array | None = None) -> jax.Array:
+                  attention_mask: jax.Array | None = None, return_queries: bool = False):
     """Causal forward over whole sequences without a cache: tokens [B,T] -> logits [B,T,V] float32.
 
     Differentiable and jit-friendly (`cfg` must be static). `positions` [B,T] or [T] defaults to 0..T-1.
     `attention_mask` [T,T] or per row [B,T,T] (query, key) replaces the causal mask, e.g. to express which
-    tokens an eviction kept.
+    tokens an eviction kept; [L,B,Hkv,T,T] gives each layer and KV head its own (an eviction is per head).
+    `return_queries`: also the pre-RoPE queries [L,B,T,Hq,D] (what query centres are calibrated from).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-    if attention_mask is not None and attention_mask.shape not in ((tokens.shape[1],) * 2, (*tokens.shape, tokens.shape[1])):
-        raise ValueError(f"attention_mask must be [T, T] or [B, T, T] for tokens {tokens.shape}, "
+    t = tokens.shape[1]
+    per_head = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads, t, t)
+    if attention_mask is not None and attention_mask.shape not in ((t, t), (*tokens.shape, t), per_head):
+        raise ValueError(f"attention_mask must be [T, T], [B, T, T] or {list(per_head)} for tokens {tokens.shape}, "
                          f"got shape {attention_mask.shape}")
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -113,14 +118,19 @@ def forward_dense(params: Params, cfg: ModelConfig, tokens: jax.Array, positions
     cos, sin = rope_cos_sin(positions, cfg)
     sm_scale = cfg.head_dim ** -0.5
 
-    def layer_step(x, layer: LayerParams):
-        q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
-        attn = _dense_causal_attention(q, k, v, sm_scale, attention_mask)
-        x = x + attn.reshape(*x.shape[:-1], cfg.q_size) @ layer.o_proj
-        return x + _mlp(layer, cfg, x), None
+    layer_masks = attention_mask is not None and attention_mask.ndim == 5
 
-    x, _ = jax.lax.scan(layer_step, params.embed[tokens], params.layers)
-    return final_logits(params, cfg, x)
+    def layer_step(x, xs):
+        layer, mask = xs if layer_masks else (xs, attention_mask)
+        q, k, v = _qkv(layer, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+        attn = _dense_causal_attention(q, k, v, sm_scale, mask)
+        x = x + attn.reshape(*x.shape[:-1], cfg.q_size) @ layer.o_proj
+        return x + _mlp(layer, cfg, x), (apply_rope(q, cos, -sin) if return_queries else None)
+
+    xs = (params.layers, attention_mask) if layer_masks else params.layers
+    x, queries = jax.lax.scan(layer_step, params.embed[tokens], xs)
+    logits = final_logits(params, cfg, x)
+    return (logits, queries) if return_queries else logits
 
 
 def _fused_qkv(layer: ServingLayer, cfg: ModelConfig, shards: int, h: jax.Array, cos: jax.Array, sin: jax.Array):

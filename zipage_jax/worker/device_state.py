@@ -8,8 +8,11 @@ passed through, aliased, never copied). Shapes: docs/ARCHITECTURE.md (KV pool, C
 import flax.struct
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zipage_jax import parallel
+from zipage_jax.compression.query_centres import QueryCentres
 from zipage_jax.structured_output.manager import bitmask_words
 from zipage_jax.worker import device_memory, kv_cache
 
@@ -24,6 +27,9 @@ class DeviceState:
     # [max_num_seqs + 1, ceil(V/32)] int32 by token row: the structured-output mask of its next token (all ones:
     # unconstrained; ``structured_output.manager``)
     token_bitmask: jax.Array
+    # the pre-RoPE query centres that the "triattention" policy scores with ([L, Hq, ...] over query heads, placed
+    # by ``place_centres``); a tiny stand-in under the other policies
+    query_centres: QueryCentres
 
 
 def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
@@ -38,6 +44,24 @@ def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
     token_bitmask = jax.device_put(np.full((config.max_num_seqs + 1, bitmask_words(model_cfg.vocab_size)), -1,
                                            np.int32), parallel.replicated(mesh))
-    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer, token_bitmask)
+    centres = jax.device_put(QueryCentres.placeholder(), parallel.replicated(mesh))
+    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer, token_bitmask, centres)
     device_memory.check_allocated(device, before, device_memory.bytes_on(device, state), "the KV pool and caches")
     return state
+
+
+def centre_specs(centres: QueryCentres) -> QueryCentres:
+    """Partition specs of placed centres: split over query heads (each shard those of its KV heads), frequencies
+    replicated; a stand-in replicated whole."""
+    if centres.mean.shape[1] == 1:
+        return QueryCentres(P(), P(), P())
+    return QueryCentres(P(None, parallel.AXIS), P(None, parallel.AXIS), P())
+
+
+def place_centres(state: DeviceState, centres: QueryCentres, mesh) -> DeviceState:
+    """The state with ``centres`` (host arrays) on the devices, split as ``centre_specs`` says."""
+    specs = centre_specs(centres)
+    placed = QueryCentres(*(jax.device_put(np.asarray(x, np.float32), NamedSharding(mesh, spec))
+                            for x, spec in zip((centres.mean, centres.norm, centres.inv_freq),
+                                               (specs.mean, specs.norm, specs.inv_freq))))
+    return state.replace(query_centres=placed)

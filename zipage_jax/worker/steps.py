@@ -16,7 +16,7 @@ from zipage_jax.models import forward_paged
 from zipage_jax.models.transformer import final_logits
 from zipage_jax.sampling_params import MAX_LOGPROBS
 from zipage_jax.worker import packing
-from zipage_jax.worker.device_state import DeviceState
+from zipage_jax.worker.device_state import DeviceState, centre_specs
 
 # Compiler options of every engine program. XLA's rematerialization pass compares a program's footprint with a
 # memory limit that the preallocated KV pool always exceeds, and then recomputes work to save memory (in the
@@ -80,15 +80,17 @@ def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, m
     """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
     and compaction read only that head and its query group, so the step needs no collective and the backend's
     compression kernels run on one shard's heads."""
-    def run(k_pool, v_pool, score_cache, query_cache, batch):
-        return compress(k_pool, v_pool, score_cache, query_cache, batch, cfg, sm_scale, backend=backend)
+    def run(k_pool, v_pool, score_cache, query_cache, batch, centres):
+        return compress(k_pool, v_pool, score_cache, query_cache, batch, cfg, sm_scale, backend=backend,
+                        query_centres=centres)
 
     if mesh.size > 1:
         heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.tracks_history else P()  # as allocated
-        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P()),
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P(),
+                                                      centre_specs(state.query_centres)),
                             out_specs=(heads, heads, scores), check_vma=False)
     k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
-                                      packing.unpack(packed, spec))
+                                      packing.unpack(packed, spec), state.query_centres)
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from zipage_jax import parallel
+from zipage_jax.compression import query_centres
 from zipage_jax.config import EngineConfig
 from zipage_jax.core.scheduler_output import SchedulerOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
@@ -130,6 +131,9 @@ class Worker:
         the weights (``params``: ``Params`` or ``ServingParams``, a function of no arguments that makes them, or
         None: the checkpoint at ``model_path``). ``startup_s`` receives the seconds of each phase."""
         startup_s = {} if startup_s is None else startup_s
+        centres = None  # the "triattention" policy's calibration, shipped with the model: a missing one fails first
+        if config.compression and config.scoring.eviction_policy == "triattention":
+            centres = query_centres.load(model_path or config.model, model_cfg)
         mark = time.perf_counter()
         with device_memory.start_backend(config.gpu_memory_utilization) as allocator:
             parallel.join_processes(config)  # before any device query: the backend starts at the block's end
@@ -170,6 +174,8 @@ class Worker:
             memory_plan = plan(device_memory.bytes_on(device, params))
             state = device_state.allocate(config, model_cfg, memory_plan.num_pages, memory_plan.num_query_rows,
                                           dtype, mesh)
+        if centres is not None:
+            state = device_state.place_centres(state, centres, mesh)
         start = time.perf_counter()
         worker = cls(config, model_cfg, memory_plan, params, backend, mesh, state, eos_token_ids, progress)
         worker.allocator = allocator
