@@ -17,7 +17,7 @@
 #     default, rkv-like; part 2: triattention, window-only; part 3: prompt + window, one sweep per task (sinks = that
 #     task's prompt, 36 / 45 / 53 tokens, protected window 4, so budgets from M=4: at M=2 the prompt alone is more
 #     than the budget), then the cost of the triattention scores at qwen3-8b's shapes against a decode step
-#     (scripts/bench_trig_scores.py). Writes sweep_part<PART>[_<task>].json / .log and trig_cost.json.
+#     (bench trig-scores). Writes sweep_part<PART>[_<task>].json / .log and trig_cost.json.
 #
 #   STAGE=merge OUT=dir-with-the-parts bash scripts/gpu_third_task.sh   (here, on CPU: no device)
 #     One table (sweep.md) and plot (sweep.png) of every part, relative to part 1's full KV.
@@ -51,7 +51,7 @@ train)
     --batch 128 --lr 1e-3 --warmup 60 --steps 20000 --answer-weight 10 --train-seconds "${TRAIN_SECONDS:-300}" \
     --eval-problems 200 --greedy-samples 0 2>&1 | grep -v Warning | tee "$OUT/train.log"
   [ -f "$ckpt/model.safetensors" ] || { echo "no checkpoint"; exit 1; }
-  python3 scripts/calibrate_centres.py --model "$ckpt" --tasks "$(IFS=,; echo "${tasks[*]}")" 2>&1 \
+  python3 -m zipage_jax.tasks.calibrate_centres --model "$ckpt" --tasks "$(IFS=,; echo "${tasks[*]}")" 2>&1 \
     | grep -v Warning | tee -a "$OUT/train.log"
   tar -czf "$OUT/tiny-reasoner.tgz" -C "$OUT" tiny-reasoner
   for task in stored_product interleaved_sums repeated_addition; do
@@ -74,7 +74,7 @@ ablate)
         --config "prompt-window:eviction_policy=window,sink_tokens=${prompt_len[$task]},window=4" \
         --output "$OUT/sweep_part3_$task.json" 2>&1 | grep -v Warning | tee "$OUT/sweep_part3_$task.log"
     done
-    timeout "$(left)" python3 scripts/bench_trig_scores.py --shape qwen3-8b --batch 64,256 --budget 16 \
+    timeout "$(left)" python3 -m zipage_jax.bench trig-scores --shape qwen3-8b --batch 64,256 --budget 16 \
       --json "$OUT/trig_cost.json" 2>&1 | grep -v Warning | tee "$OUT/trig_cost.log"
     exit 0
   fi

@@ -1,11 +1,21 @@
 """Test-session setup: four simulated CPU devices so tensor-parallel paths run on CPU (must precede jax import);
-the seeds of random inputs and Hypothesis's profiles (tests/seeds.py: fixed in CI, `--seed random` explores)."""
+one jax compilation cache for the session's processes; the seeds of random inputs and Hypothesis's profiles
+(tests/seeds.py: fixed in CI, `--seed random` explores)."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Many tests build engines of the same model and shapes: the programs one compiles, the others load. A fresh
+# directory per run (xdist's workers share it), so no run reads another's programs.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"solo-{os.getpid()}"
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "zipage_jax_tests", _RUN))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from hypothesis import settings  # noqa: E402
 
 import seeds  # noqa: E402
@@ -39,6 +49,19 @@ LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_compression_engine.py"
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+
+
+@pytest.fixture(scope="module")
+def without_jax_cache():
+    """The executable store keeps only programs it compiled itself (one jax's cache hands back does not survive a
+    second serialization): modules testing the store compile for real."""
+    from jax._src import compilation_cache  # the switch is read once; reset_cache makes jax read it again
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.hookimpl(wrapper=True)

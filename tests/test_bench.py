@@ -86,6 +86,7 @@ def test_scheduling_command_runs_all_variants_with_identical_tokens(tmp_path):
     assert png.stat().st_size > 0
 
 
+@pytest.mark.usefixtures("without_jax_cache")  # it starts on an executable store
 def test_startup_command_cold_then_warm_and_ready_early_reports_programs_and_no_compiles_after_warmup(tmp_path):
     """Run twice on one store, as the cold and the warm figure are. Cold, every program compiles (and is stored) and
     the workload compiles nothing after the warm-up. Warm and ready early, the light load's programs are ready first
@@ -102,12 +103,13 @@ def test_startup_command_cold_then_warm_and_ready_early_reports_programs_and_no_
                                + ["--ready-early"] * ready_early)
         assert report["engine_options"] == dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                                 max_model_len=512, compilation_cache_dir=store)
-        # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program
+        # decode at 8 rows, greedy and sampled; prefill at 16, 32, 64 tokens; the prompt-logprobs program; the
+        # structured-output mask write at 8 rows
         if ready_early:  # warm: loaded from the store
-            assert (report["programs"], report["background_programs"], report["loaded"]) == (2 * 1 + 1 + 1, 2, 4)
+            assert (report["programs"], report["background_programs"], report["loaded"]) == (2 * 1 + 1 + 1 + 1, 2, 5)
             assert report["all_compiled_s"] >= report["ready_s"]
         else:  # cold: compiled
-            assert report["programs"] == 2 * 1 + 3 + 1 and report["background_programs"] == report["loaded"] == 0
+            assert report["programs"] == 2 * 1 + 3 + 1 + 1 and report["background_programs"] == report["loaded"] == 0
         assert report["compiles_after_warmup"] == 0 and report["workload_tokens"] > 0
         assert report["ready_s"] >= report["init_s"] + report["compile_s"] * 0.99
         phases = report["init_phases_s"]  # LLM()'s seconds by phase, each inside it

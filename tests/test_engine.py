@@ -317,6 +317,7 @@ def test_the_tokenizer_loads_beside_the_start_and_adds_its_end_of_sequence(tmp_p
     assert engine.eos_token_ids == (2, 5) and engine.worker.layout.eos_token_ids == (2, 5)
 
 
+@pytest.mark.usefixtures("without_jax_cache")  # it starts on an executable store
 def test_weights_made_by_a_function_come_after_the_pool_and_serve_alike(tmp_path):
     """``params`` as a function (random weights in the benchmarks) is called once the pool is placed, and its
     weights serve exactly as the same weights handed over made (the second engine loads the first's programs)."""

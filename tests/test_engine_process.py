@@ -30,6 +30,8 @@ from zipage_jax.sampling_params import ContextLengthError, SamplingParams
 
 from test_serve import TINY_MODEL, chat_ids, make_engine, offline
 
+pytestmark = pytest.mark.usefixtures("without_jax_cache")  # these tests start engines on an executable store
+
 BASELINE_CHUNKS = 40  # a stream's chunks before the hostile requests: its typical gap, one engine step
 GAP_FACTOR = 25  # how many of those its longest gap may span while they are refused
 OPTIONS = dict(max_num_seqs=16, page_size=16, max_model_len=512, max_num_batched_tokens=256, dtype="float32",

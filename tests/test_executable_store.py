@@ -20,6 +20,8 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.worker.executable_store import ExecutableStore, engine_fingerprint
 from zipage_jax.worker.programs import Program, Programs
 
+pytestmark = pytest.mark.usefixtures("without_jax_cache")  # these tests start engines on an executable store
+
 
 class Events:
     """Counts jax's trace and compile events while alive."""

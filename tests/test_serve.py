@@ -34,6 +34,8 @@ from zipage_jax.entrypoints.serving_completion import OpenAIServingCompletion
 from zipage_jax.entrypoints.serving_engine import stable_text_len
 from zipage_jax.worker.programs import Programs
 
+pytestmark = pytest.mark.usefixtures("without_jax_cache")  # these tests start engines on an executable store
+
 TINY_MODEL = "zipage_jax/assets/tiny-reasoner"
 
 

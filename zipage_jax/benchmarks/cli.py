@@ -29,6 +29,8 @@ OWN_COMMAND_LINE = {
                                                            "tiling (no GPU)"),
     "serve-ready": ("zipage_jax.benchmarks.serve_ready", "seconds from launching the server to its first /health "
                                                          "200, cold and warm"),
+    "trig-scores": ("zipage_jax.benchmarks.trig_scores", "what the query-free triattention scores cost against the "
+                                                          "other policies' scoring and a decode step"),
     "sweep": ("zipage_jax.benchmarks.sweep", "accuracy over a grid of KV budgets x scoring configurations"),
     "ttft": ("zipage_jax.benchmarks.ttft", "time to first token of one long prompt per attention backend (the "
                                            "prefill kernel before/after)"),

@@ -82,7 +82,7 @@ def load(directory, model_cfg) -> QueryCentres:
     path = Path(directory) / CENTRES_FILE
     if not path.is_file():
         raise ValueError(f"eviction_policy: 'triattention' needs the model's query centres at {path} "
-                         "(scripts/calibrate_centres.py writes them)")
+                         "(python -m zipage_jax.tasks.calibrate_centres writes them)")
     with np.load(path) as data:
         centres = QueryCentres(*(np.asarray(data[k], np.float32) for k in ("mean", "norm", "inv_freq")))
     shape = (model_cfg.num_layers, model_cfg.num_heads, model_cfg.head_dim)

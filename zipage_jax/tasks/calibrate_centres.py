@@ -5,8 +5,8 @@ The calibration text is what the model is served on: the chat prompt and referen
 problems of each task (``zipage_jax.tasks.TASKS``), teacher-forced, every non-padding token counted. CPU is
 enough for the shipped models (a few seconds):
 
-    PYTHONPATH=. python3 scripts/calibrate_centres.py --model zipage_jax/assets/tiny-reasoner
-    PYTHONPATH=. python3 scripts/calibrate_centres.py --model zipage_jax/assets/tiny-reasoner-two-tasks \\
+    python -m zipage_jax.tasks.calibrate_centres --model zipage_jax/assets/tiny-reasoner
+    python -m zipage_jax.tasks.calibrate_centres --model zipage_jax/assets/tiny-reasoner-two-tasks \\
         --tasks repeated_addition,interleaved_sums
 """
 

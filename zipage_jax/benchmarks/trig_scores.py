@@ -1,8 +1,8 @@
 """What the query-free "triattention" scores cost against the other policies' scoring and a decode step, at the
 shipped model's shapes (or qwen3-8b's), jnp path (reference backend), any device:
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python3 scripts/bench_trig_scores.py --batch 64 --budget 6
-    PYTHONPATH=. python3 scripts/bench_trig_scores.py --shape qwen3-8b --batch 64,256 --budget 16 --page 16
+    JAX_PLATFORMS=cpu python -m zipage_jax.bench trig-scores --batch 64 --budget 6
+    python -m zipage_jax.bench trig-scores --shape qwen3-8b --batch 64,256 --budget 16 --page 16
 
 Rows (ms): one layer's scores (triattention's ``paged_trig_scores``; zipage's jnp window attention and lightning
 redundancy), the whole jitted compression step per policy, and one decode step (``forward_paged``) of the same
@@ -90,7 +90,8 @@ def bench(model_cfg, batch, budget, page, reps, dtype) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m zipage_jax.bench trig-scores", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="shipped", choices=["shipped", *MODEL_SHAPES])
     p.add_argument("--batch", default="64", help="comma-separated request counts")
     p.add_argument("--budget", type=int, default=6, help="M: pages kept per request")
@@ -111,8 +112,3 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return rows
-
-
-if __name__ == "__main__":
-    np.set_printoptions(precision=3)
-    main()
