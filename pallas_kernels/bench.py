@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.reference import gather_request_kv, masked_attention, paged_decode_ref, ragged_prefill_ref
@@ -134,19 +135,24 @@ def bench_decode(args):
         key, case_key, len_key = jax.random.split(key, 3)
         q, k_pool, v_pool, tables = make_case(case_key, batch, ctx, page_size, num_q_heads, num_kv_heads,
                                               head_dim)
+        k_pool, v_pool = k_pool.astype(args.kv_dtype), v_pool.astype(args.kv_dtype)  # N(0, 1): in FP8's range
+        fp8 = is_fp8(args.kv_dtype)
         state = dict(k=k_pool, v=v_pool, tables=tables, lens=jnp.full((batch,), ctx, jnp.int32),
-                     **baseline_layouts(k_pool, v_pool, layer, tables))
+                     **({} if fp8 else baseline_layouts(k_pool, v_pool, layer, tables)))
         # Ragged physical lengths (not page multiples, some padding rows) for the kernel's own check.
         ragged = jax.random.randint(len_key, (batch,), 1, ctx + 1).at[::7].set(0).astype(jnp.int32)
         ragged_state = dict(state, lens=ragged)
-        kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+        kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * k_pool.dtype.itemsize  # bytes the kernel reads
         flops = 4 * batch * num_q_heads * ctx * head_dim
         impls = implementations(layer, scale, page_size, tables.shape[1], variants)
+        if fp8:  # only the Mosaic kernel and the reference read FP8 pages
+            impls = {name: fn for name, fn in impls.items() if name.startswith("mosaic") or name == "xla_ref"}
         ref_fn = jax.jit(impls["xla_ref"])
         ref, ref_ragged = ref_fn(q, state), ref_fn(q, ragged_state)
         for name, fn in impls.items():
             row = dict(kernel="decode", impl=name, batch=batch, ctx=ctx, page=page_size,
-                       q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim)
+                       q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
+                       kv_dtype=jnp.dtype(args.kv_dtype).name)
 
             def measure(row, name=name, fn=fn):
                 jitted = jax.jit(fn)
@@ -349,6 +355,9 @@ def main(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
+                        help="decode: the pool's dtype (FP8: the Mosaic kernel and the reference only; GB/s count "
+                             "the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
                         help="extra decode configs block_kv:stages:splits (splits 0 = automatic), comma separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,

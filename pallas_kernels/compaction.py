@@ -43,6 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_quant import is_fp8
+
 SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA dynamic shared memory
 
 
@@ -67,8 +69,8 @@ def _check_inputs(k_pool, v_pool, kept, src_tables, dst_tables, valid, block_row
         raise ValueError(f"k_pool must be [L, pages, Hkv, S, D], got {k_pool.shape}")
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool must match k_pool {k_pool.shape} {k_pool.dtype}, got {v_pool.shape} {v_pool.dtype}")
-    if k_pool.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"k_pool must be bfloat16 or float16, got {k_pool.dtype}")
+    if k_pool.dtype not in (jnp.bfloat16, jnp.float16) and not is_fp8(k_pool.dtype):
+        raise ValueError(f"k_pool must be bfloat16, float16 or FP8 (bytes moved as they are), got {k_pool.dtype}")
     num_kv_heads, page_size, head_dim = k_pool.shape[2:]
     if head_dim not in (64, 128):
         raise ValueError(f"k_pool head dim must be 64 or 128, got {head_dim}")
@@ -192,7 +194,8 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     ``dst_tables[b, j // S]``, offset ``j % S``) of layer ``layer`` set to source slot ``kept[b, h, j]`` (page
     ``src_tables[b, kept // S]``); everything else is untouched. Bit-exact ``gather_slots`` + ``scatter_slots``.
 
-    ``k_pool, v_pool [L, pages, Hkv, S, D]`` (bf16 / f16, D = 64 or 128) are donated and updated in place: do
+    ``k_pool, v_pool [L, pages, Hkv, S, D]`` (bf16 / f16, or FP8 with static scales that stay put: ``kv_quant``;
+    D = 64 or 128) are donated and updated in place: do
     not use the arrays passed in afterwards. Inside an outer jit the donation is the outer jit's business (a
     ``fori_loop`` carry or donated arguments, as in ``compress``); the kernel's outputs alias its inputs either
     way. ``layer`` is a (traced) int32 scalar; ``kept [B, Hkv, M * S]`` strictly ascending per (row, head) and

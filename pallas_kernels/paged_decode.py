@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_quant import is_fp8, upcast
+
 TILE_ROWS = 64  # wgmma M: one warpgroup's tile of query rows.
 Q_ROW_TILE = 8  # rows of the shared-memory tiling: the query rows a CTA loads are padded to a multiple of it
 _LOG2E = math.log2(math.e)
@@ -47,8 +49,8 @@ def _check_inputs(q, k_pool, v_pool, kv_lens, page_tables):
         raise ValueError(f"kv_lens must be [B]={batch}, got {kv_lens.shape}")
     if page_tables.ndim != 2 or page_tables.shape[0] != batch:
         raise ValueError(f"page_tables must be [B, P], got {page_tables.shape}")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pool.dtype != q.dtype:
-        raise ValueError(f"q and pools must share a 16-bit float dtype, got {q.dtype}, {k_pool.dtype}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or (k_pool.dtype != q.dtype and not is_fp8(k_pool.dtype)):
+        raise ValueError(f"q must be a 16-bit float and the pools q's dtype or FP8, got {q.dtype}, {k_pool.dtype}")
 
 
 def check_block_kv(block_kv, page_size, num_stages):
@@ -67,6 +69,10 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
 
     Row ``i`` attends to slots ``<= pos0 + i`` when ``causal``, else to slots ``<= pos0``; ``kv_len`` bounds the
     pages that are read. Returns the unnormalised f32 accumulator and the row max / row sum (base 2).
+
+    An FP8 pool (``kv_quant``: its scales are applied outside) is fetched into 8-bit staging buffers, half the
+    bytes; each block is upcast (exactly) into one 16-bit K and one V buffer that the wgmmas read (8-bit wgmma
+    operands must be K-major, which V is not).
     """
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -87,7 +93,16 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[layer, page, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
 
-    def attend(k_smem, v_smem, p_smem, k_bar, v_bar):
+    fp8 = is_fp8(k_ref.dtype)
+
+    def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
+        def block(smem, slot, which):  # the wgmma operand of a staged block
+            if not fp8:
+                return smem.at[slot]
+            wide[which][...] = upcast(plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), dtype)
+            plgpu.commit_smem()
+            return wide[which]
+
         for s in range(num_stages):
             @pl.when(s < num_blocks)
             def _prologue():
@@ -102,9 +117,10 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             acc, m_i, l_i = carry
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
+            k_block = block(k_smem, slot, 0)
 
             def qk_fn(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, q_smem, k_block.T)
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_fn, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
@@ -121,9 +137,10 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
+            v_block = block(v_smem, slot, 1)
 
             def pv_fn(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, v_block)
                 return acc_ref[...]
 
             pv = pl.run_scoped(pv_fn, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
@@ -138,11 +155,15 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         return lax.fori_loop(0, num_blocks, step_fn, (acc, m_i, l_i))
 
     copies = pages_per_block if block_kv > page_size else 1
-    kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled())
+    if fp8:
+        kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
+        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * 2
+    else:
+        kv_buf, wide = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled()), ()
     return pl.run_scoped(
         attend, kv_buf, kv_buf, plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled()),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages), *wide,
     )
 
 
@@ -199,7 +220,8 @@ def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
 def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
                  num_splits=None, interpret=False):
     """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
-    ``paged_decode_ref``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``). ``interpret`` may be
+    ``plgpu.InterpretGPUParams()`` to run on CPU."""
     _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]

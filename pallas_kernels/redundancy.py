@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import TILE_ROWS, swizzled
 from pallas_kernels.reference import NORM_FLOOR  # the jnp reference's clamp of the key norms
 
@@ -49,8 +50,8 @@ def _check_inputs(k_pool, page_tables, num_pages):
         raise ValueError(f"page_tables must be [B, P], got {page_tables.shape}")
     if num_pages.shape != page_tables.shape[:1]:
         raise ValueError(f"num_pages must be [B]={page_tables.shape[0]}, got {num_pages.shape}")
-    if k_pool.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"k_pool must be a 16-bit float dtype, got {k_pool.dtype}")
+    if k_pool.dtype not in (jnp.bfloat16, jnp.float16) and not is_fp8(k_pool.dtype):
+        raise ValueError(f"k_pool must be a 16-bit float dtype or FP8, got {k_pool.dtype}")
 
 
 # A row's latest match and its similarity s, packed into one int32 so a single max reduction finds both:
@@ -66,7 +67,8 @@ COLUMN_TILE = 128  # wgmma N of the K K^T tiles: faster than 64 and 256 (BENCHMA
 
 
 def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_ref, sums_ref, match_ref, k_smem,
-                     col_bits_smem, barrier, inv_smem, sums_smem, match_smem, *, threshold, page_size):
+                     col_bits_smem, barrier, inv_smem, sums_smem, match_smem, *staging, threshold, page_size):
+    """``staging``: an FP8 pool's 8-bit buffer, which the pages arrive in before their upcast into ``k_smem``."""
     kv_head, row, block = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("p")
     layer, num_pages = layer_ref[0], num_pages_ref[row]
     slots = k_smem.shape[0]
@@ -137,10 +139,13 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
     def _block():
         for j in range(pages_per_block):
             page = page_tables_ref[row, lax.min(block * pages_per_block + j, num_pages - 1)]
-            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head], k_smem.at[pl.ds(j * page_size, page_size)],
-                                    barrier)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head],
+                                    (staging[0] if staging else k_smem).at[pl.ds(j * page_size, page_size)], barrier)
         plgpu.copy_gmem_to_smem(col_bits_ref, col_bits_smem, barrier)
         plgpu.barrier_wait(barrier)
+        if staging:  # the cosine does not see the pool's per-head scale: the raw values upcast are enough
+            k_smem[...] = upcast(plgpu.load(staging[0], layout=wgmma_layout, optimized=False), k_smem.dtype)
+            plgpu.commit_smem()
         norms()
         plgpu.commit_smem()
         # A loop, not unrolled: unrolled, the row tiles used all 255 registers and spilled; looped nothing spills
@@ -181,18 +186,20 @@ def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, inte
     num_slots = table_pages * page_size
     num_blocks = pl.cdiv(num_slots, slots)
     vector = lambda dtype: jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks * slots), dtype)  # noqa: E731
+    fp8 = is_fp8(k_pool.dtype)
     sums, match = plgpu.kernel(
         functools.partial(_row_sums_kernel, threshold=float(threshold), page_size=page_size),
         out_type=(vector(jnp.float32), vector(jnp.int32)),
         grid=(num_kv_heads, batch, num_blocks),
         grid_names=("h", "b", "p"),
         scratch_types=(
-            plgpu.SMEM((slots, head_dim), k_pool.dtype, transforms=swizzled()),
+            plgpu.SMEM((slots, head_dim), jnp.bfloat16 if fp8 else k_pool.dtype, transforms=swizzled()),
             plgpu.SMEM((slots,), jnp.int32),
             plgpu.Barrier(num_arrivals=slots // page_size + 1),
             plgpu.SMEM((slots,), jnp.float32),
             plgpu.SMEM((slots,), jnp.float32),
             plgpu.SMEM((slots,), jnp.int32),
+            *([plgpu.SMEM((slots, head_dim), k_pool.dtype)] if fp8 else []),
         ),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), num_pages, page_tables.astype(jnp.int32), k_pool,

@@ -9,6 +9,8 @@ physical index ``i`` lives at ``(page_tables[r, i // S], i % S)``; query head ``
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import upcast
+
 NORM_FLOOR = 1e-6  # key norms are clamped here before the cosine similarity of compression's key redundancy
 
 
@@ -22,8 +24,9 @@ def write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v):
 
 
 def gather_request_kv(pool, layer, page_table):
-    """KV of the requests in ``page_table [R, P]`` as ``[R, Hkv, P * S, D]`` (one gather, no per-layer slice)."""
-    pages = jnp.asarray(pool)[layer, page_table]  # [R, P, Hkv, S, D]
+    """KV of the requests in ``page_table [R, P]`` as ``[R, Hkv, P * S, D]`` (one gather, no per-layer slice); an FP8
+    pool's values upcast exactly to bf16 (its scales are applied outside: ``kv_quant``)."""
+    pages = upcast(jnp.asarray(pool)[layer, page_table])  # [R, P, Hkv, S, D]
     r, p, h, s, d = pages.shape
     return pages.transpose(0, 2, 1, 3, 4).reshape(r, h, p * s, d)
 

@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import TILE_ROWS, check_block_kv, swizzled
 
 _LOG2E = math.log2(math.e)
@@ -65,12 +66,13 @@ def _check_inputs(k_pool, page_tables, num_live, queries):
         raise ValueError(f"num_live must be [B]={batch}, got {num_live.shape}")
     if page_tables.ndim != 2:
         raise ValueError(f"page_tables must be [B, P], got {page_tables.shape}")
-    if k_pool.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"k_pool must be a 16-bit float dtype, got {k_pool.dtype}")
+    if k_pool.dtype not in (jnp.bfloat16, jnp.float16) and not is_fp8(k_pool.dtype):
+        raise ValueError(f"k_pool must be a 16-bit float dtype or FP8, got {k_pool.dtype}")
 
 
 def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref, q_smem, q_bar, k_smem, k_bar,
-                   lse_smem, out_smem, *, window, group, sm_scale, block_kv, num_stages, page_size):
+                   lse_smem, out_smem, *wide, window, group, sm_scale, block_kv, num_stages, page_size):
+    """``wide``: with an FP8 pool, the 16-bit buffer each staged 8-bit key block is upcast into for the wgmmas."""
     kv_head, row = lax.axis_index("h"), lax.axis_index("b")
     layer, num_live = layer_ref[0], num_live_ref[row]
     num_tiles = q_smem.shape[0] // TILE_ROWS
@@ -95,6 +97,13 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
             plgpu.copy_gmem_to_smem(k_ref.at[layer, page, kv_head], k_smem.at[slot, pl.ds(j * page_size, page_size)],
                                     k_bar.at[slot])
 
+    def keys(slot):  # the wgmma operand of a staged block
+        if not wide:
+            return k_smem.at[slot]
+        wide[0][...] = upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), q_smem.dtype)
+        plgpu.commit_smem()
+        return wide[0]
+
     def refill(step):
         @pl.when(step + num_stages < 2 * num_blocks)
         def _():
@@ -112,12 +121,13 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
     def stats_step(step, carry):
         slot = lax.rem(step, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
+        k_block = keys(slot)
         new_carry = []
         for t in range(num_tiles):
             m_i, l_i = carry[t]
 
             def qk(acc_ref, t=t):
-                plgpu.wgmma(acc_ref, q_smem.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, q_smem.at[pl.ds(t * TILE_ROWS, TILE_ROWS)], k_block.T)
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * scale
@@ -143,10 +153,11 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
     def score_step(step, _):
         slot, block = lax.rem(step, num_stages), block_of(step)
         plgpu.barrier_wait(k_bar.at[slot])
+        k_block = keys(slot)
         best = None
         for g in range(group):
             def kq(acc_ref, g=g):
-                plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[pl.ds(g * window, window)].T)
+                plgpu.wgmma(acc_ref, k_block, q_smem.at[pl.ds(g * window, window)].T)
                 return acc_ref[...]
 
             s = pl.run_scoped(kq, plgpu.ACC((block_kv, window), jnp.float32)) * scale
@@ -188,7 +199,9 @@ def window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, *, bl
     padded_slots = pl.cdiv(num_slots, block_kv) * block_kv
     rows, padded_rows = group * window, padded_query_rows(group, window)
     q_rows = queries.reshape(batch, window, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim).astype(k_pool.dtype)
+    fp8 = is_fp8(k_pool.dtype)  # its K scale is in the queries already (``kv_quant``)
+    dtype = queries.dtype if fp8 else k_pool.dtype  # of the wgmma operands
+    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim).astype(dtype)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     num_live = jnp.asarray(num_live, jnp.int32)
     kernel = functools.partial(_scores_kernel, window=window, group=group, sm_scale=float(sm_scale),
@@ -200,12 +213,13 @@ def window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, *, bl
         grid=(num_kv_heads, batch),
         grid_names=("h", "b"),
         scratch_types=(
-            plgpu.SMEM((padded_rows, head_dim), k_pool.dtype, transforms=swizzled()),
+            plgpu.SMEM((padded_rows, head_dim), dtype, transforms=swizzled()),
             plgpu.Barrier(),
-            plgpu.SMEM((num_stages, block_kv, head_dim), k_pool.dtype, transforms=swizzled()),
+            plgpu.SMEM((num_stages, block_kv, head_dim), k_pool.dtype, transforms=() if fp8 else swizzled()),
             plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
             plgpu.SMEM((padded_rows,), jnp.float32),
             plgpu.SMEM((2, block_kv), jnp.float32),
+            *([plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled())] if fp8 else []),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,

@@ -191,7 +191,7 @@ def test_ctrl_c_while_the_server_starts_ends_it_quietly(when):
     (["--port", "80a"], "argument --port: invalid int value: '80a'"),
     (["--max-model-len", "32q"], "argument --max-model-len: invalid int value: '32q'"),
     (["-pp", "2"], "--pipeline-parallel-size 2: no pipeline parallelism"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is kept in the model's dtype"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: must be one of ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2')"),
     (["--quantization", "awq"], "--quantization awq: quantized checkpoints are not supported"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: prompts are always prefilled in chunks"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template: no file 'no-such-file.jinja'"),
@@ -208,10 +208,11 @@ def test_what_the_server_cannot_honour_is_one_line_and_status_2(args, fragment, 
 
 def test_vllm_spellings_are_the_engines_options():
     _, args = parse_args(["org/model", "-tp", "2", "--block-size", "32", "--max-model-len", "32k", "--dtype", "half",
-                          "--kv-cache-memory-bytes", "2G", "--served-model-name", "a", "b", "--enforce-eager"])
+                          "--kv-cache-memory-bytes", "2G", "--served-model-name", "a", "b", "--enforce-eager",
+                          "--kv-cache-dtype", "fp8"])
     options = engine_kwargs(args, args.engine_fields)
     assert options == {"tensor_parallel_size": 2, "page_size": 32, "max_model_len": 32000, "dtype": "half",
-                       "kv_cache_memory_bytes": 2**31}
+                       "kv_cache_memory_bytes": 2**31, "kv_cache_dtype": "fp8"}
     assert EngineConfig.from_kwargs(args.model, **options).dtype == "float16"
     assert (args.model, args.served_model_name, args.host) == ("org/model", ["a", "b"], "127.0.0.1")
     assert args.notes == ["--enforce-eager: no effect (the engine runs XLA-compiled programs, there are no CUDA "

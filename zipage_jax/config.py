@@ -16,6 +16,7 @@ DEFAULT_MODEL = str(pathlib.Path(__file__).parent / "assets" / "tiny-reasoner") 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 ADMISSIONS = ("reserved", "hybrid", "constrained")  # see the `admission` field
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype; fp8 = fp8_e4m3
 
 
 EVICTION_POLICIES = ("zipage", "window", "triattention")
@@ -53,6 +54,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     page_size: int = 256
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -96,6 +98,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check(isinstance(self.model, str) and self.model, "model", "must be a non-empty path or name")
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         check(is_int(self.page_size) and 16 <= self.page_size <= 256
               and self.page_size & (self.page_size - 1) == 0, "page_size", "must be a power of two in [16, 256]")
         check(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 1),
@@ -222,6 +225,8 @@ DESCRIPTIONS = {
     "model": "HF checkpoint directory (config.json, safetensors, tokenizer) or Hugging Face Hub id",
     "tokenizer": "tokenizer directory or Hub id; None = the model's",
     "dtype": "`auto` (the checkpoint's), `bfloat16`, `float16` (or `half`), `float32` (or `float`)",
+    "kv_cache_dtype": "KV pool pages: `auto` (the model's dtype), `fp8` (= `fp8_e4m3`) or `fp8_e5m2`: one byte a "
+                      "value, static per-(layer, KV head) scales calibrated at start-up",
     "page_size": "tokens per KV page (a power of two in 16-256); also the eviction quantum",
     "max_model_len": "longest prompt + output in tokens; None = the model's context",
     "max_num_seqs": "most running requests (decode batch sizes are compiled up to it)",

@@ -102,7 +102,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     compiles, compile_wall = stats.num_compiles, stats.worker.compile_s
     dtype = engine.memory_plan.dtype
     total_bytes, step_weight_bytes = param_bytes(engine.model_cfg, dtype)
-    page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.page_size, dtype)
+    page_bytes = kv_cache.page_bytes(engine.model_cfg, engine.config.page_size, engine.memory_plan.kv_dtype)
     scheduler, bm = engine.scheduler, engine.page_manager
     pages = bm.num_pages - 1
     skip_tokens = min((concurrency or 0) * budget_tokens, pages * engine.config.page_size)

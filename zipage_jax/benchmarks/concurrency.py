@@ -35,7 +35,7 @@ class Card:
 
 
 def ceilings(model_shape: str = "qwen3-8b", page_size: int = 256, kv_budget_pages: int = 8,
-             max_num_seqs=(256, 384, 512), mean_context: int = 13_400) -> list[dict]:
+             max_num_seqs=(256, 384, 512), mean_context: int = 13_400, kv_cache_dtype: str = "auto") -> list[dict]:
     """One row per card and ``max_num_seqs``."""
     import jax.numpy as jnp
 
@@ -46,7 +46,8 @@ def ceilings(model_shape: str = "qwen3-8b", page_size: int = 256, kv_budget_page
     for card, total in CARDS.items():
         for seqs in max_num_seqs:
             config = EngineConfig.from_kwargs("unused", compression=True, page_size=page_size,
-                                              kv_budget_pages=kv_budget_pages, max_num_seqs=seqs)
+                                              kv_budget_pages=kv_budget_pages, max_num_seqs=seqs,
+                                              kv_cache_dtype=kv_cache_dtype)
             plan = kv_cache.plan_memory(config, cfg, jnp.bfloat16, cfg.max_position_embeddings,
                                         resolve_backend("mosaic"), device=Card(total, weight_bytes),
                                         allocator=allocator, weights_bytes=weight_bytes)
@@ -66,13 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-budget-pages", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, nargs="+", default=[256, 384, 512])
     parser.add_argument("--mean-context", type=int, default=13_400, help="tokens a full-KV request holds on average")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the pool's pages: auto (bf16) or fp8 (one byte a value)")
     return parser
 
 
 def main(argv=None) -> list[dict]:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the plan needs no device: keep jax off the GPU
-    rows = ceilings(args.model_shape, args.page_size, args.kv_budget_pages, args.max_num_seqs, args.mean_context)
+    rows = ceilings(args.model_shape, args.page_size, args.kv_budget_pages, args.max_num_seqs, args.mean_context,
+                    args.kv_cache_dtype)
     print(f"{'card':12s} {'max_num_seqs':>12s} {'pool pages':>10s} {'query rows':>10s} {'compressed':>10s} "
           f"{'bound':>14s} {'full KV @ mean':>14s}")
     for r in rows:

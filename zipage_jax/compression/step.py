@@ -8,6 +8,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import scale_queries
 from zipage_jax.compression.compaction import scatter_slots
 from zipage_jax.compression.scoring import paged_redundancy_scores, protect, recency_scores, zipage_scores
 from zipage_jax.compression.selection import select_slots
@@ -62,8 +63,11 @@ def _check(k_pool, score_cache, query_cache, batch, cfg, query_centres):
                          f"({cfg.window + cfg.sink_tokens}) <= kept < {num_slots} source slots")
 
 
-def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend, query_centres):
-    """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``."""
+def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend, query_centres=None,
+                  kv_scales=None):
+    """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``. An FP8 pool's K scale
+    goes into the window queries (redundancy, a cosine, and the query-free scores, ranked per head, do not see a
+    per-head scale)."""
     num_rows, num_pages_per_row = batch.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
     num_slots = num_pages_per_row * page_size
@@ -76,6 +80,8 @@ def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale,
     else:
         ring = (batch.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
         queries = query_cache[layer, batch.query_rows[:, None], ring]  # [B, W, Hq, D]
+        if kv_scales is not None:
+            queries = scale_queries(queries, kv_scales[0, layer])
         attn = backend.window_scores(k_pool, layer, batch.src_tables, batch.num_src_pages * page_size, queries,
                                      sm_scale)
         redundancy = None
@@ -90,19 +96,20 @@ def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale,
     return protect(score, batch.num_src_pages, batch.valid, page_size, cfg), history
 
 
-def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_scale, backend, query_centres=None):
+def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_scale, backend, query_centres=None,
+                kv_scales=None):
     """The final per-slot selection score ``[B, L, Hkv, N]`` f32 (protected +inf, padding -inf), N = P * S."""
     _check(k_pool, score_cache, query_cache, batch, cfg, query_centres)
     per_layer = jax.lax.map(
         lambda layer: _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend,
-                                    query_centres)[0],
+                                    query_centres, kv_scales)[0],
         jnp.arange(k_pool.shape[0]),
     )
     return per_layer.transpose(1, 0, 2, 3)
 
 
 def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
-             backend, query_centres=None):
+             backend, query_centres=None, kv_scales=None):
     """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
 
     ``query_centres`` (``QueryCentres``) are what the "triattention" policy scores with (read by no other).
@@ -111,7 +118,8 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     nor written (it may then be a placeholder of any shape). Jit with ``cfg`` and ``backend`` (the
     ``AttentionBackend`` whose window-scores, lightning-redundancy, selection and compaction kernels run) static
     and the three caches donated.
-    Every valid row must have ``num_src_pages >= M + 1`` full pages.
+    Every valid row must have ``num_src_pages >= M + 1`` full pages. An FP8 pool comes with its static scales
+    ``kv_scales [2, L, Hkv]``: its kept slots move as bytes, the scales stay.
 
     Scratch is one layer's worth (f32 = 4 bytes, ``it`` = pool itemsize, N = P * S): a few ``B*Hkv*N*4``
     score vectors; with the jnp window attention, one window query's logits ``B*Hq*N*4`` and the request
@@ -130,7 +138,7 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     def layer_step(layer, caches):
         k_pool, v_pool, score_cache = caches
         scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend,
-                                        query_centres)
+                                        query_centres, kv_scales)
         kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
         k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
                                                batch.valid)

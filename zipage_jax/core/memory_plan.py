@@ -13,7 +13,8 @@ class MemoryPlan:
     parallelism each device holds its share of the heads of every page and query row."""
 
     max_model_len: int
-    dtype: np.dtype  # of the KV pool and the query cache
+    dtype: np.dtype  # the model's: of the query cache (and of the KV pool unless kv_dtype says otherwise)
+    kv_dtype: np.dtype  # of the KV pool pages (kv_cache_dtype: FP8, else the model's)
     budget_source: str  # num_gpu_pages_override, kv_cache_memory_bytes, gpu_memory_utilization or cpu_default
     budget_bytes: int | None
     card_bytes: int | None  # the device's memory (None: it reports none, as on CPU)
@@ -47,7 +48,7 @@ class MemoryPlan:
     def describe(self) -> str:
         """The plan in one line (the engine logs it at start)."""
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        pool = f"KV pool {gib(self.pool_bytes)} ({self.num_pages} pages)"
+        pool = f"KV pool {gib(self.pool_bytes)} ({self.num_pages} pages of {np.dtype(self.kv_dtype).name})"
         if self.query_cache_bytes:
             pool += f" + query cache {gib(self.query_cache_bytes)} ({self.num_query_rows} rows)"
         if self.card_bytes is None:
@@ -63,5 +64,5 @@ class MemoryPlan:
                 f"full length {self.max_model_len})")
 
     def as_dict(self) -> dict:
-        """The plan as JSON-ready numbers (the dtype by name)."""
-        return {**dataclasses.asdict(self), "dtype": np.dtype(self.dtype).name}
+        """The plan as JSON-ready numbers (the dtypes by name)."""
+        return {**dataclasses.asdict(self), "dtype": np.dtype(self.dtype).name, "kv_dtype": np.dtype(self.kv_dtype).name}

@@ -38,7 +38,6 @@ FLAGS = (
     Flag(("--disable-frontend-multiprocessing",), "the engine loop's process is --engine-process / "
                                                   "--no-engine-process"),
     Flag(("--swap-space",), "compressed requests swap to host memory when preempted; nothing is reserved", ANY),
-    Flag(("--kv-cache-dtype",), "the KV cache is kept in the model's dtype (only 'auto')", ("auto",)),
     Flag(("--pipeline-parallel-size", "-pp"), "no pipeline parallelism here: shard with --tensor-parallel-size",
          ("1",)),
     Flag(("--data-parallel-size", "-dp"), "one engine per server: start several servers", ("1",)),

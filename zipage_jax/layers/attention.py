@@ -16,9 +16,11 @@ import importlib
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference
+from pallas_kernels.kv_quant import is_fp8, upcast
 from zipage_jax.compression import compaction, scoring, selection
 from zipage_jax.parallel import AXIS, KV_HEADS
 
@@ -70,6 +72,35 @@ def compaction_by_rows(kernel: Callable) -> Callable:
                                                                 valid)
 
     return compact_slots
+
+
+def fp8_through_reference(kernel: Callable, reference_fn: Callable) -> Callable:
+    """A decode kernel without an FP8 path (Triton): FP8 pools go through the jnp reference (the memory plan
+    reserves its scratch: ``kv_cache.step_scratch_bytes``), 16-bit ones through the kernel."""
+
+    def attend(q, k_pool, *args):
+        return (reference_fn if is_fp8(k_pool.dtype) else kernel)(q, k_pool, *args)
+
+    return attend
+
+
+def fp8_prefill_through_copies(kernel: Callable) -> Callable:
+    """A prefill kernel without an FP8 path (the Mosaic ragged prefill): FP8 pools give it 16-bit copies of the
+    step's own pages (``[1 + R * P]`` pages of one layer, exact upcasts; the memory plan reserves them:
+    ``kv_cache.step_scratch_bytes``), 16-bit pools go straight in."""
+
+    def prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale):
+        if not is_fp8(k_pool.dtype):
+            return kernel(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
+
+        def copies(pool):  # page 0 stays the null page; the padding entries of the tables copy it too
+            pages = upcast(pool[layer, page_tables.reshape(-1)], q.dtype)
+            return jnp.concatenate([jnp.zeros_like(pages[:1]), pages])[None]
+
+        tables = 1 + jnp.arange(page_tables.size, dtype=jnp.int32).reshape(page_tables.shape)
+        return kernel(q, copies(k_pool), copies(v_pool), 0, cu_q_lens, kv_lens, tables, sm_scale)
+
+    return prefill
 
 
 BACKENDS = {"reference": REFERENCE}  # name -> backend; the kernel backends are added on first use
@@ -147,7 +178,8 @@ def mosaic_backends() -> dict:
         name="mosaic_decode", decode=paged_decode.paged_decode, window_scores=k_scoring.window_scores,
         lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
         compact_slots=compaction_by_rows(k_compaction.compact_slots), fused_compression=True)
-    full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
+    full = dataclasses.replace(decode_only, name="mosaic",
+                               prefill=fp8_prefill_through_copies(ragged_prefill.ragged_prefill))
     return {"mosaic_decode": decode_only, "mosaic": full}
 
 
@@ -160,8 +192,9 @@ def triton_backends() -> dict:
     except ImportError as e:
         raise ValueError("attention_backend: 'triton' needs jax-triton and triton "
                          f"(pip install 'zipage_jax[ampere]'); import failed: {e}") from e
-    return {"triton": AttentionBackend(name="triton", decode=triton_decode.paged_decode,
-                                       prefill=triton_prefill.ragged_prefill)}
+    return {"triton": AttentionBackend(
+        name="triton", decode=fp8_through_reference(triton_decode.paged_decode, reference.paged_decode_ref),
+        prefill=fp8_prefill_through_copies(triton_prefill.ragged_prefill))}
 
 
 KERNEL_BACKENDS = {"mosaic": mosaic_backends, "mosaic_decode": mosaic_backends, "triton": triton_backends}

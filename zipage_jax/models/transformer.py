@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.kv_quant import quantize, scale_outputs, scale_queries
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.params import LayerParams, Params, ServingLayer, ServingParams, unfuse_columns
 from zipage_jax.models.rope import apply_rope, rope_cos_sin
@@ -148,17 +149,42 @@ def _fused_mlp(layer: ServingLayer, cfg: ModelConfig, shards: int, x: jax.Array)
     return _gated(gate, up, layer.down_proj)
 
 
+def serving_kv(params: ServingParams, cfg: ModelConfig, tokens: jax.Array):
+    """Post-RoPE K and V ``[L, T, Hkv, D]`` of one sequence ``tokens [T]`` through the serving weights (a dense
+    causal forward): what an FP8 pool's scales are calibrated from (``worker.kv_scales``)."""
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    cos, sin = rope_cos_sin(positions, cfg)
+    x, keys, values = params.embed[tokens], [], []
+    for layer in params.layers:
+        q, k, v = _fused_qkv(layer, cfg, params.shards, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+        attn = _dense_causal_attention(q[None], k[None], v[None], cfg.head_dim ** -0.5)[0]
+        x = x + attn.reshape(x.shape[0], cfg.q_size) @ layer.o_proj
+        x = x + _fused_mlp(layer, cfg, params.shards, x)
+        keys.append(k)
+        values.append(v)
+    return jnp.stack(keys), jnp.stack(values)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "shards", "backend"))
-def _paged_layer(layer: ServingLayer, x, k_pool, v_pool, index, batch: PagedBatch, cos, sin, *, cfg: ModelConfig,
-                 shards: int, backend):
-    """One decoder layer of ``forward_paged``: ``(x, k_pool, v_pool, q)``."""
+def _paged_layer(layer: ServingLayer, x, k_pool, v_pool, index, batch: PagedBatch, cos, sin, kv_scales, *,
+                 cfg: ModelConfig, shards: int, backend):
+    """One decoder layer of ``forward_paged``: ``(x, k_pool, v_pool, q)``. With ``kv_scales`` (an FP8 pool) the
+    write quantizes and the scales are folded around the attention (``pallas_kernels.kv_quant``)."""
     q, k, v = _fused_qkv(layer, cfg, shards, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+    q_attn = q
+    if kv_scales is not None:
+        k_scale, v_scale = kv_scales[0, index], kv_scales[1, index]
+        k, v = quantize(k, k_scale, k_pool.dtype), quantize(v, v_scale, v_pool.dtype)
+        q_attn = scale_queries(q, k_scale)
     k_pool, v_pool = backend.write_kv(k_pool, v_pool, index, batch.slot_mapping, k, v)
     sm_scale = cfg.head_dim ** -0.5
     if batch.cu_q_lens is None:
-        attn = backend.decode(q, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
+        attn = backend.decode(q_attn, k_pool, v_pool, index, batch.kv_lens, batch.page_tables, sm_scale)
     else:
-        attn = backend.prefill(q, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables, sm_scale)
+        attn = backend.prefill(q_attn, k_pool, v_pool, index, batch.cu_q_lens, batch.kv_lens, batch.page_tables,
+                               sm_scale)
+    if kv_scales is not None:
+        attn = scale_outputs(attn, v_scale)
     x = x + attn.reshape(x.shape[0], cfg.q_size) @ layer.o_proj
     return x + _fused_mlp(layer, cfg, shards, x), k_pool, v_pool, q
 
@@ -172,6 +198,7 @@ def forward_paged(
     backend,
     return_queries: bool = False,
     return_hidden: bool = False,
+    kv_scales: jax.Array | None = None,
 ):
     """One engine step over packed tokens with the paged KV pool.
 
@@ -179,7 +206,9 @@ def forward_paged(
     write_kv / decode / prefill, see docs/ARCHITECTURE.md) and returns
     `(logits [N,V] f32, k_pool, v_pool)`; with `return_queries=True` also the post-RoPE queries
     `[L, T, Hq, D]` (input of compression scoring), then with `return_hidden=True` the residual stream of every
-    token after the last layer `[T, Hd]` (`final_logits` of a row gives its logits: prompt logprobs).
+    token after the last layer `[T, Hd]` (`final_logits` of a row gives its logits: prompt logprobs). An FP8 pool
+    comes with its static scales `kv_scales [2, L, Hkv]` (`pallas_kernels.kv_quant`); the queries returned are
+    unscaled.
 
     The layer loop is unrolled over `ServingParams`' per-layer buffers, so every matmul reads its weights in
     place (a scan would copy each layer's slice of stacked weights first); the pools are addressed by layer
@@ -192,8 +221,8 @@ def forward_paged(
     for index, layer in enumerate(params.layers):
         # one traced function for every layer (the index is an operand): a program traces and lowers one layer,
         # not 36, and XLA inlines the 36 calls
-        x, k_pool, v_pool, q = _paged_layer(layer, x, k_pool, v_pool, jnp.int32(index), batch, cos, sin, cfg=cfg,
-                                            shards=params.shards, backend=backend)
+        x, k_pool, v_pool, q = _paged_layer(layer, x, k_pool, v_pool, jnp.int32(index), batch, cos, sin, kv_scales,
+                                            cfg=cfg, shards=params.shards, backend=backend)
         queries.append(q)
     out = (final_logits(params, cfg, x[batch.logits_indices]), k_pool, v_pool)
     if return_queries:

@@ -14,12 +14,12 @@ from jax.sharding import PartitionSpec as P
 from zipage_jax import parallel
 from zipage_jax.compression.query_centres import QueryCentres
 from zipage_jax.structured_output.manager import bitmask_words
-from zipage_jax.worker import device_memory, kv_cache
+from zipage_jax.worker import device_memory, kv_cache, kv_scales
 
 
 @flax.struct.dataclass
 class DeviceState:
-    k_pool: jax.Array  # [L, num_pages, Hkv, S, D]
+    k_pool: jax.Array  # [L, num_pages, Hkv, S, D] in the pool dtype (kv_cache.pool_dtype)
     v_pool: jax.Array
     query_cache: jax.Array  # [L, C+1, W, Hq, D]: window queries of the query-row holders (a ring)
     score_cache: jax.Array  # [L, num_pages, Hkv, S] f32: score history of every slot
@@ -30,22 +30,26 @@ class DeviceState:
     # the pre-RoPE query centres that the "triattention" policy scores with ([L, Hq, ...] over query heads, placed
     # by ``place_centres``); a tiny stand-in under the other policies
     query_centres: QueryCentres
+    # [2, L, Hkv] f32: an FP8 pool's static K and V scales (``kv_scales``; read only when the pool is FP8)
+    kv_scales: jax.Array
 
 
 def allocate(config, model_cfg, num_pages: int, num_query_rows: int, dtype, mesh) -> DeviceState:
     """The zeroed state, committed to its shardings (pools and caches over heads, the token buffer replicated);
-    a pool the allocator did not really grow by is warned about (``device_memory.check_allocated``)."""
+    a pool the allocator did not really grow by is warned about (``device_memory.check_allocated``). An FP8 pool's
+    scales start at 1: the worker calibrates them once the weights are loaded."""
     device = mesh.devices.flat[0]
     before = device_memory.in_use(device)
-    k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.page_size, dtype,
-                                            parallel.kv_head_sharding(mesh))
+    k_pool, v_pool = kv_cache.allocate_pool(model_cfg, num_pages, config.page_size,
+                                            kv_cache.pool_dtype(config, dtype), parallel.kv_head_sharding(mesh))
     query_cache, score_cache = kv_cache.allocate_compression_state(model_cfg, config, num_pages, num_query_rows,
                                                                    dtype, mesh)
     token_buffer = jax.device_put(np.zeros(config.max_num_seqs + 1, np.int32), parallel.replicated(mesh))
     token_bitmask = jax.device_put(np.full((config.max_num_seqs + 1, bitmask_words(model_cfg.vocab_size)), -1,
                                            np.int32), parallel.replicated(mesh))
     centres = jax.device_put(QueryCentres.placeholder(), parallel.replicated(mesh))
-    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer, token_bitmask, centres)
+    state = DeviceState(k_pool, v_pool, query_cache, score_cache, token_buffer, token_bitmask, centres,
+                        kv_scales.unit_scales(model_cfg, mesh))
     device_memory.check_allocated(device, before, device_memory.bytes_on(device, state), "the KV pool and caches")
     return state
 

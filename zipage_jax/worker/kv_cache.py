@@ -14,6 +14,12 @@ from zipage_jax.layers import attention
 from zipage_jax.worker import device_memory
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU devices report no memory limit
+KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def pool_dtype(config, dtype):
+    """The KV pool's dtype: ``kv_cache_dtype``'s FP8 format, or the model's ``dtype`` (``auto``)."""
+    return jnp.dtype(KV_DTYPES.get(config.kv_cache_dtype, dtype))
 
 
 def page_bytes(model_cfg, page_size: int, dtype, with_score: bool = False) -> int:
@@ -45,9 +51,13 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     bitmask_table = (config.max_num_seqs + 1) * -(-c.vocab_size // 32) * 4  # structured outputs' masks
     prefill = tokens * width + queries + rows * sample + bitmask_table
     decode = config.max_num_seqs * (width + sample) + bitmask_table
+    gathered = 2 * c.num_kv_heads * span * c.head_dim * (it + 4)
+    fp8 = config.kv_cache_dtype != "auto"  # FP8 pages and the kernels without an FP8 path (layers/attention.py)
     if backend_name == "reference":
-        gathered = 2 * c.num_kv_heads * span * c.head_dim * (it + 4)
         prefill += gathered + 3 * c.num_heads * tokens * span * 4
+    elif fp8:  # the prefill kernel reads 16-bit copies of the step's pages
+        prefill += 2 * (rows * span + config.page_size) * c.num_kv_heads * c.head_dim * it
+    if backend_name == "reference" or (fp8 and backend_name == "triton"):
         decode += config.max_num_seqs * (gathered + 3 * c.num_heads * span * 4)
     return int(max(prefill, decode))
 
@@ -97,7 +107,8 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     S, M = config.page_size, config.kv_budget_pages
     shards = config.tensor_parallel_size  # divides the KV heads, hence the query heads
     pages_per_seq = -(-max_model_len // S)
-    per_page = page_bytes(model_cfg, S, dtype, config.tracks_history) // shards
+    kv_dtype = pool_dtype(config, dtype)  # FP8 pages: one byte a value (their static scales: a few bytes a layer)
+    per_page = page_bytes(model_cfg, S, kv_dtype, config.tracks_history) // shards
     row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.compression else 0
     max_comp = 0
     if config.compression:
@@ -160,7 +171,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     else:
         concurrency = rows
     return MemoryPlan(
-        max_model_len=max_model_len, dtype=jnp.dtype(dtype), budget_source=source, budget_bytes=budget,
+        max_model_len=max_model_len, dtype=jnp.dtype(dtype), kv_dtype=kv_dtype, budget_source=source, budget_bytes=budget,
         card_bytes=memory and memory.card_bytes, share_bytes=memory and memory.share_bytes,
         weights_bytes=memory and memory.in_use_bytes,
         headroom_bytes=memory and memory.share_bytes - memory.taken_bytes - pool - scratch,

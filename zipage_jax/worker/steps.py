@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.kv_quant import is_fp8
 from zipage_jax import parallel
 from zipage_jax.compression.step import compress
 from zipage_jax.core.request import PENDING
@@ -47,7 +48,8 @@ def step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_
     batch = batch.replace(tokens=jnp.where(inputs["from_buffer"], in_flight, batch.tokens))
     prefill = batch.cu_q_lens is not None
     logits, k_pool, v_pool, *extra = forward_paged(params, model_cfg, k_pool, v_pool, batch, backend,
-                                                   return_queries=store_queries, return_hidden=prefill)
+                                                   return_queries=store_queries, return_hidden=prefill,
+                                                   kv_scales=fp8_scales(state))
     if store_queries:  # the window queries that compression scores with: a ring indexed by position % W
         ring = batch.positions % query_cache.shape[2]
         query_cache = query_cache.at[:, inputs["query_row"], ring].set(extra[0].astype(query_cache.dtype))
@@ -65,6 +67,11 @@ def step(params, state: DeviceState, packed, *, spec, model_cfg, backend, store_
     return state, ids, values, jax.lax.with_sharding_constraint(hidden, hidden_sharding)
 
 
+def fp8_scales(state: DeviceState):
+    """An FP8 pool's static scales, or None: a pool in the model's dtype never reads them."""
+    return state.kv_scales if is_fp8(state.k_pool.dtype) else None
+
+
 def set_token_bitmask(state: DeviceState, rows, masks):
     """Write structured-output masks into the bitmask table at these token rows (padding rows: the sink's, all
     ones)."""
@@ -80,17 +87,19 @@ def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, m
     """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
     and compaction read only that head and its query group, so the step needs no collective and the backend's
     compression kernels run on one shard's heads."""
-    def run(k_pool, v_pool, score_cache, query_cache, batch, centres):
+    def run(k_pool, v_pool, score_cache, query_cache, batch, centres, kv_scales):
         return compress(k_pool, v_pool, score_cache, query_cache, batch, cfg, sm_scale, backend=backend,
-                        query_centres=centres)
+                        query_centres=centres, kv_scales=kv_scales)
 
+    scales = fp8_scales(state)
     if mesh.size > 1:
         heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.tracks_history else P()  # as allocated
         run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P(),
-                                                      centre_specs(state.query_centres)),
+                                                      centre_specs(state.query_centres),
+                                                      None if scales is None else heads),
                             out_specs=(heads, heads, scores), check_vma=False)
     k_pool, v_pool, score_cache = run(state.k_pool, state.v_pool, state.score_cache, state.query_cache,
-                                      packing.unpack(packed, spec), state.query_centres)
+                                      packing.unpack(packed, spec), state.query_centres, scales)
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 

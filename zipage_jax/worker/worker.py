@@ -28,7 +28,7 @@ from zipage_jax.core.scheduler_output import SchedulerOutput
 from zipage_jax.layers.attention import resolve_backend, sharded
 from zipage_jax.models import weights
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.worker import device_memory, device_state, input_batch, kv_cache
+from zipage_jax.worker import device_memory, device_state, input_batch, kv_cache, kv_scales
 from zipage_jax.worker.catalog import CompressionShape, ProgramCatalog, pick_bucket
 from zipage_jax.structured_output.manager import TokenBitmask
 from zipage_jax.worker.programs import Programs
@@ -176,6 +176,10 @@ class Worker:
                                           dtype, mesh)
         if centres is not None:
             state = device_state.place_centres(state, centres, mesh)
+        if memory_plan.kv_dtype != dtype:  # FP8 pages: their scales from the loaded weights
+            start = time.perf_counter()
+            state = state.replace(kv_scales=kv_scales.calibrate(params, model_cfg, memory_plan.kv_dtype, mesh))
+            startup_s["kv_scales"] = time.perf_counter() - start
         start = time.perf_counter()
         worker = cls(config, model_cfg, memory_plan, params, backend, mesh, state, eos_token_ids, progress)
         worker.allocator = allocator

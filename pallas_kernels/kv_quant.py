@@ -1,0 +1,52 @@
+"""FP8 KV pages with static per-(layer, KV head) scales (docs/lab-notes/fp8-kv.md says why this scheme).
+
+A pool slot holds ``x / scale`` in an 8-bit float; ``scale [2, L, Hkv]`` f32 (K's, then V's) is fixed at
+start-up. One scale per (layer, head) means nothing moves with a slot: compaction and swaps stay byte copies, and
+every kernel reads the raw 8-bit values upcast (exactly) to 16 bits, the scales folded outside it:
+``q . (s_k k8) = (s_k q) . k8`` (the queries are scaled per head before the kernel) and ``p @ (s_v v8) = s_v (p @
+v8)`` (the output after it). Cosine similarity (key redundancy) does not see a per-head scale at all.
+"""
+
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+SCALE_MARGIN = 4.0  # calibrated amax x this maps to the largest value: real traces reach 2.6x a random prompt's
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in FP8_DTYPES)
+
+
+def scales_from_amax(amax, dtype):
+    """Scales ``[2, L, Hkv]`` from calibrated absolute maxima: ``SCALE_MARGIN * amax`` lands on the largest
+    finite value (an all-zero head gets scale 1)."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.where(amax > 0, amax * SCALE_MARGIN / top, 1.0).astype(jnp.float32)
+
+
+def quantize(x, scale, dtype):
+    """``x [..., Hkv, D]`` / ``scale [Hkv]`` in ``dtype``, saturated: e4m3fn has no infinity, so an
+    out-of-range cast would be NaN."""
+    top = float(jnp.finfo(dtype).max)
+    y = x.astype(jnp.float32) / scale[:, None]
+    return jnp.clip(y, -top, top).astype(dtype)
+
+
+def upcast(x, dtype=jnp.bfloat16):
+    """An FP8 tile in a 16-bit float, exactly (every e4m3 / e5m2 value is an f16 and a bf16 value); via f16, the
+    conversion Hopper has an instruction for. Other dtypes pass through."""
+    if not is_fp8(x.dtype):
+        return x
+    return x.astype(jnp.float16).astype(dtype)
+
+
+def scale_queries(q, k_scale):
+    """``q [..., Hq, D]`` times its KV head's K scale (``k_scale [Hkv]``), in q's dtype."""
+    group = q.shape[-2] // k_scale.shape[0]
+    return (q.astype(jnp.float32) * jnp.repeat(k_scale, group)[:, None]).astype(q.dtype)
+
+
+def scale_outputs(out, v_scale):
+    """Attention outputs ``[..., Hq, D]`` over dequantized values: times their KV head's V scale."""
+    group = out.shape[-2] // v_scale.shape[0]
+    return (out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]).astype(out.dtype)

@@ -1,0 +1,236 @@
+"""FP8 KV pages (``kv_cache_dtype``; pallas_kernels.kv_quant): the references against a float oracle, the Mosaic
+kernels' FP8 paths in interpret mode against the references, compaction as a byte copy, the memory plan, and greedy
+parity of the shipped model.
+
+Tolerances. Against the oracle *on the dequantized values* the FP8 path is the same math with the scales moved
+(``q . s k = s q . k``, ``p @ s v = s (p @ v)``): only f32 rounding differs (1e-5). Against the original values,
+e4m3 rounds each value to 3 mantissa bits (relative error <= 2^-4): an output, a convex combination of V rows,
+moves by at most 2^-4 of max |v| through V, and the logit error (<= 2^-4 sum |q_d k_d| sm_scale) reweights it a
+little more: 0.1 of max |v| bounds both at these shapes.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kv_quant import quantize, scale_outputs, scale_queries, scales_from_amax, upcast
+from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
+from zipage_jax.compression import compaction, scoring
+from zipage_jax.config import EngineConfig
+from helpers import shuffled_page_tables
+from seeds import seeded_rng
+
+INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan")
+E4M3 = jnp.float8_e4m3fn
+
+
+def fp8_pools(rng, shape, dtype=E4M3):
+    """Float K/V ``[L, pages, Hkv, S, D]`` (f32, per-head magnitudes apart), their FP8 pools and scales [2, L, Hkv]."""
+    heads = np.exp(rng.uniform(-2, 2, (shape[0], 1, shape[2], 1, 1)))
+    k, v = (jnp.asarray(rng.standard_normal(shape) * heads, jnp.float32) for _ in range(2))
+    amax = jnp.stack([jnp.max(jnp.abs(x), axis=(1, 3, 4)) for x in (k, v)])
+    scales = scales_from_amax(amax, dtype)
+    quant = [jax.vmap(lambda x, s: quantize(x.transpose(0, 2, 1, 3), s, dtype).transpose(0, 2, 1, 3))(x, scales[i])
+             for i, x in enumerate((k, v))]
+    return k, v, quant[0], quant[1], scales
+
+
+def dequantized(pool, scales):  # [L, pages, Hkv, S, D] f32
+    return upcast(pool, jnp.float32) * scales[:, None, :, None, None]
+
+
+def test_quantize_rounds_to_three_mantissa_bits_and_saturates():
+    rng = seeded_rng()
+    x = jnp.asarray(rng.standard_normal((64, 2, 32)) * [[[1.0], [30.0]]], jnp.float32)
+    scale = scales_from_amax(jnp.max(jnp.abs(x), axis=(0, 2)), E4M3)
+    back = upcast(quantize(x, scale, E4M3), jnp.float32) * scale[:, None]
+    normal = jnp.abs(x) >= scale[:, None] * 2.0 ** -6  # below: e4m3's subnormals, an absolute error of 2^-10 scale
+    assert float(jnp.max(jnp.where(normal, jnp.abs(back - x) / jnp.abs(x), 0))) <= 2.0 ** -4
+    assert float(jnp.max(jnp.abs(back - x) / scale[:, None])) <= 448 * 2.0 ** -4
+    huge = quantize(jnp.full((1, 2, 4), 1e9), scale, E4M3)
+    assert not bool(jnp.any(jnp.isnan(upcast(huge, jnp.float32))))
+    assert float(upcast(huge, jnp.float32).max()) == float(jnp.finfo(E4M3).max)
+
+
+def test_reference_decode_and_prefill_over_fp8_pages():
+    """The engine's folding (queries scaled in, outputs scaled out) over an FP8 pool is the float attention of its
+    dequantized values, and within FP8's rounding of the float values."""
+    rng = seeded_rng()
+    layers, pages, hkv, page_size, d, group = 2, 12, 2, 8, 32, 2
+    k, v, k8, v8, scales = fp8_pools(rng, (layers, pages, hkv, page_size, d))
+    kv_lens = np.array([19, 0, 8], np.int32)
+    tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], 4, pages))
+    q = jnp.asarray(rng.standard_normal((3, hkv * group, d)), jnp.float32)
+    layer, sm = 1, d ** -0.5
+    got = scale_outputs(paged_decode_ref(scale_queries(q, scales[0, layer]), k8, v8, layer, kv_lens, tables, sm),
+                        scales[1, layer])
+    exact = paged_decode_ref(q, dequantized(k8, scales[0]), dequantized(v8, scales[1]), layer, kv_lens, tables, sm)
+    np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)
+    float_out = paged_decode_ref(q, k, v, layer, kv_lens, tables, sm)
+    assert float(jnp.max(jnp.abs(got - float_out))) <= 0.1 * float(jnp.max(jnp.abs(v[layer])))
+    cu = jnp.asarray([0, 5, 5, 8], jnp.int32)
+    qp = jnp.asarray(rng.standard_normal((10, hkv * group, d)), jnp.float32)
+    got = scale_outputs(ragged_prefill_ref(scale_queries(qp, scales[0, layer]), k8, v8, layer, cu, kv_lens, tables,
+                                           sm), scales[1, layer])
+    exact = ragged_prefill_ref(qp, dequantized(k8, scales[0]), dequantized(v8, scales[1]), layer, cu, kv_lens,
+                               tables, sm)
+    np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)
+
+
+def test_scores_read_dequantized_keys_and_compaction_copies_bytes():
+    """Window scores with the K scale in the queries and lightning redundancy (a cosine: no scale) over FP8 pages
+    equal those of the dequantized keys; compaction moves the kept slots' bytes."""
+    rng = seeded_rng()
+    layers, pages, hkv, page_size, d = 1, 9, 2, 8, 32
+    _, _, k8, v8, scales = fp8_pools(rng, (layers, pages, hkv, page_size, d))
+    tables = jnp.asarray(rng.permutation(np.arange(1, pages))[:4].reshape(1, 4), jnp.int32)
+    live = jnp.asarray([32], jnp.int32)
+    queries = jnp.asarray(rng.standard_normal((1, 8, 2 * hkv, d)), jnp.float32)
+    deq = dequantized(k8, scales[0])
+    got = scoring.paged_window_attention(k8, 0, tables, live, scale_queries(queries, scales[0, 0]), d ** -0.5)
+    want = scoring.paged_window_attention(deq, 0, tables, live, queries, d ** -0.5)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4)
+    got = scoring.paged_lightning_row_sums(k8, 0, tables, jnp.asarray([4]), 0.5)
+    want = scoring.paged_lightning_row_sums(deq, 0, tables, jnp.asarray([4]), 0.5)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    kept = jnp.asarray(np.sort(rng.permutation(32)[:16]).reshape(1, 1, 16).repeat(hkv, 1), jnp.int32)
+    k2, v2 = compaction.compact_slots(k8, v8, 0, kept, tables, tables[:, :2], jnp.asarray([True]))
+    for before, after in ((k8, k2), (v8, v2)):
+        moved = compaction.gather_slots(after, 0, jnp.broadcast_to(jnp.arange(16), kept.shape), tables[:, :2])
+        want = compaction.gather_slots(before, 0, kept, tables)
+        np.testing.assert_array_equal(moved.view(jnp.uint8), want.view(jnp.uint8))
+
+
+def test_kv_cache_dtype_is_validated_and_counts_one_byte_a_value():
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
+        EngineConfig(model="m", kv_cache_dtype="int8")
+    from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
+    from zipage_jax.worker import kv_cache
+    qwen = MODEL_SHAPES["qwen3-8b"]
+    plans = {}
+    for kv in ("auto", "fp8", "fp8_e5m2"):
+        c = EngineConfig(model="m", kv_cache_dtype=kv, compression=True, kv_budget_pages=2, page_size=256,
+                         kv_cache_memory_bytes=8 * 2**30, max_num_seqs=256, compilation_cache_dir=None)
+        plans[kv] = kv_cache.plan_memory(c, qwen, jnp.bfloat16, 32768)
+    bf16, fp8 = plans["auto"], plans["fp8"]
+    assert fp8.kv_dtype == jnp.float8_e4m3fn and plans["fp8_e5m2"].kv_dtype == jnp.float8_e5m2
+    score = qwen.num_layers * qwen.num_kv_heads * 256 * 4
+    assert fp8.page_bytes - score == (bf16.page_bytes - score) // 2
+    assert fp8.max_compressed_concurrency >= 1.8 * bf16.max_compressed_concurrency
+    assert "pages of float8_e4m3fn" in fp8.describe() and fp8.as_dict()["kv_dtype"] == "float8_e4m3fn"
+
+
+def test_decode_kernel_reads_fp8_pages(page_size=16, block_kv=64, num_splits=2, kv_lens=(70, 0, 33)):
+    """Interpret mode: the Mosaic decode kernel over FP8 pages (upcast in shared memory) equals the reference over
+    the same pages (bf16 rounding of the probabilities and output: 2e-2)."""
+    from pallas_kernels.paged_decode import paged_decode
+    rng = seeded_rng()
+    hkv, d, group = 1, 64, 4
+    pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
+    pages = len(kv_lens) * pages_per_row + 2
+    _, _, k8, v8, _ = fp8_pools(rng, (2, pages, hkv, page_size, d))
+    tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], pages_per_row, pages))
+    q = jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=block_kv, num_splits=num_splits,
+                       interpret=INTERPRET)
+    want = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_compaction_kernel_moves_fp8_bytes():
+    from pallas_kernels.compaction import compact_slots
+    rng = seeded_rng()
+    hkv, page_size, d = 1, 16, 64
+    _, _, k8, v8, _ = fp8_pools(rng, (1, 6, hkv, page_size, d))
+    src = jnp.asarray(rng.permutation(np.arange(1, 6))[:2].reshape(1, 2), jnp.int32)
+    kept = jnp.asarray(np.sort(rng.permutation(32)[:16]).reshape(1, 1, 16), jnp.int32)
+    valid = jnp.asarray([True])
+    want = compaction.compact_slots(k8, v8, 0, kept, src, src[:, :1], valid)
+    got = compact_slots(k8, v8, 0, kept, src, src[:, :1], valid, interpret=INTERPRET)  # donates the pools
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_compression_kernels_read_fp8_keys():
+    """Interpret mode: the window-scores and lightning-redundancy kernels over FP8 pages (upcast in shared memory)
+    equal the jnp paths over the same pages (bf16 operands: 2e-2 relative; the scores are probabilities)."""
+    from pallas_kernels.redundancy import lightning_row_sums
+    from pallas_kernels.scoring import window_scores
+    rng = seeded_rng()
+    hkv, page_size, d = 1, 64, 64
+    _, _, k8, _, scales = fp8_pools(rng, (1, 4, hkv, page_size, d))
+    tables = jnp.asarray([[2, 3]], jnp.int32)
+    live, pages = jnp.asarray([128], jnp.int32), jnp.asarray([2], jnp.int32)
+    queries = scale_queries(jnp.asarray(rng.standard_normal((1, 8, 2, d)), jnp.bfloat16), scales[0, 0])
+    got = window_scores(k8, 0, tables, live, queries, d ** -0.5, interpret=INTERPRET)
+    want = scoring.paged_window_attention(k8, 0, tables, live, queries, d ** -0.5)
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-2)
+    got = lightning_row_sums(k8, 0, tables, pages, 0.5, interpret=INTERPRET)
+    want = scoring.paged_lightning_row_sums(k8, 0, tables, pages, 0.5)
+    np.testing.assert_allclose(got, want, atol=5e-2, rtol=2e-2)
+
+
+# logits: e4m3 pages moved the shipped model's logits by at most 2.34 (p99 0.88) over a 200-token teacher-forced trace
+# against the dense f32 forward; a dense top-2 margin below this may flip
+FP8_TIE = 2.5
+
+
+def test_shipped_model_greedy_matches_the_dense_forward_over_fp8_pages():
+    """Greedy decoding of the shipped model over an e4m3 pool (the paged forward, reference backend, f32 weights)
+    gives the dense forward's tokens (HF's: tests/test_models.py) at every step whose dense top-2 margin exceeds
+    FP8_TIE, over a prompt and 40 generated tokens."""
+    from zipage_jax.config import DEFAULT_MODEL
+    from zipage_jax.layers.attention import REFERENCE
+    from zipage_jax.models import ModelConfig, PagedBatch, forward_dense, forward_paged, to_serving
+    from zipage_jax.models.weights import load_hf_weights
+    from zipage_jax.tasks import repeated_addition
+    from zipage_jax.tasks.tokenizer import encode_chat
+    from zipage_jax.worker import kv_scales
+    cfg = ModelConfig.from_pretrained(DEFAULT_MODEL)
+    params = load_hf_weights(DEFAULT_MODEL, cfg, jnp.float32)
+    serving = to_serving(params)
+    scales = kv_scales.calibrate(serving, cfg, E4M3, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
+    problem = repeated_addition.sample_problems(1, 5, "test")[0]
+    prompt, steps, page_size = encode_chat(problem.question), 40, 16
+    total = len(prompt) + steps
+    table = jnp.arange(1, -(-total // page_size) + 1, dtype=jnp.int32)[None]
+    shape = (cfg.num_layers, table.shape[1] + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    k_pool = v_pool = jnp.zeros(shape, E4M3)
+    step = jax.jit(forward_paged, static_argnums=(1, 5), static_argnames=("return_queries", "return_hidden"))
+
+    def run(tokens, start, k_pool, v_pool, prefill):
+        pos = jnp.arange(start, start + len(tokens), dtype=jnp.int32)
+        batch = PagedBatch(tokens=jnp.asarray(tokens, jnp.int32), positions=pos,
+                           slot_mapping=table[0, pos // page_size] * page_size + pos % page_size,
+                           kv_lens=jnp.asarray([start + len(tokens)], jnp.int32), page_tables=table,
+                           logits_indices=jnp.asarray([len(tokens) - 1], jnp.int32),
+                           cu_q_lens=jnp.asarray([0, len(tokens)], jnp.int32) if prefill else None)
+        logits, k_pool, v_pool = step(serving, cfg, k_pool, v_pool, batch, REFERENCE, kv_scales=scales)
+        return int(jnp.argmax(logits[0])), k_pool, v_pool
+
+    token, k_pool, v_pool = run(prompt, 0, k_pool, v_pool, True)
+    ours = [token]
+    for i in range(steps - 1):
+        token, k_pool, v_pool = run([token], len(prompt) + i, k_pool, v_pool, False)
+        ours.append(token)
+    dense = jax.jit(forward_dense, static_argnums=1)(params, cfg, jnp.asarray([prompt + ours]))[0, len(prompt) - 1:-1]
+    top2 = jnp.sort(dense, axis=-1)[:, -2:]
+    clear = np.asarray(top2[:, 1] - top2[:, 0] > FP8_TIE)
+    assert clear.sum() >= steps // 2, "too many near-ties to compare"
+    np.testing.assert_array_equal(np.asarray(ours)[clear], np.asarray(jnp.argmax(dense, -1))[clear])
+
+
+def test_a_prefill_kernel_without_fp8_reads_copies_of_the_steps_pages():
+    from zipage_jax.layers.attention import fp8_prefill_through_copies
+    rng = seeded_rng()
+    _, _, k8, v8, _ = fp8_pools(rng, (2, 9, 1, 8, 32))
+    tables = jnp.asarray([[3, 5, 0], [7, 1, 2]], jnp.int32)
+    cu, kv_lens = jnp.asarray([0, 4, 9], jnp.int32), jnp.asarray([12, 20], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((12, 2, 32)), jnp.bfloat16)
+    got = fp8_prefill_through_copies(ragged_prefill_ref)(q, k8, v8, 1, cu, kv_lens, tables, 0.2)
+    np.testing.assert_array_equal(got, ragged_prefill_ref(q, k8, v8, 1, cu, kv_lens, tables, 0.2))
