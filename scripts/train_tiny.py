@@ -15,7 +15,7 @@ The shipped checkpoint was trained in two stages on one H200 (the second stage w
 (the second stage ran on one H200 with `--train-seconds 380`, which chose 1880 steps at 195 ms).
 
 The interleaved-sums task is trained in a third stage, warm-started from the second, on batches one third
-repeated addition (not to forget it) and two thirds interleaved sums (`scripts/gpu_second_task.sh`), in two
+repeated addition (not to forget it) and two thirds interleaved sums (`git show 2b9c404:scripts/gpu_second_task.sh`), in two
 runs of --train-seconds 300 on one H100, the second warm-started from the first (run 1 trained the earlier
 conclusion, at commit dbc220a; run 2 the current one):
 

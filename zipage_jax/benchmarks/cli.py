@@ -23,6 +23,8 @@ OWN_COMMAND_LINE = {
                                                          "and an H200, from the engine's memory plan (no GPU)"),
     "eviction-diagnosis": ("zipage_jax.benchmarks.eviction_diagnosis", "which evicted tokens break the interleaved-"
                                                                        "sums task under a budget"),
+    "fp8-scales": ("zipage_jax.benchmarks.fp8_scales", "which FP8 scale scheme the KV pool uses: attention error and "
+                                                        "kept-token agreement per scheme (CPU)"),
     "logprobs": ("zipage_jax.benchmarks.logprobs_cost", "device time of the per-step logprobs against a greedy "
                                                         "step's sampling"),
     "prefill-work": ("zipage_jax.benchmarks.prefill_work", "the ragged prefill kernel's work counted from its "

@@ -5,7 +5,7 @@ shape of large models' keys), per FP8 format and scale scheme: the attention out
 against the bf16 pool (f32 math both ways), the kept-token agreement of compression's window scores at a 50 %
 budget, and the share of values a static scale clips. Schemes: static per (layer, KV head) calibrated on a random-token
 prompt (what the engine does), on a real trace, per-token scales (one per slot and head), and unit scales (vLLM's
-default without calibration). Run: python scripts/fp8_scales.py
+default without calibration). Run: python -m zipage_jax.bench fp8-scales
 """
 
 import json
@@ -126,7 +126,9 @@ def measure(name, q, k, v, calib, results):
                             "kept_agree_mean": mean, "kept_agree_min": low})
 
 
-def main():
+def main(argv=None) -> list[dict]:
+    if argv:
+        raise SystemExit(f"python -m zipage_jax.bench fp8-scales takes no options, got {' '.join(argv)}")
     cfg = ModelConfig.from_pretrained(DEFAULT_MODEL)
     params = to_serving(load_hf_weights(DEFAULT_MODEL, cfg, jnp.bfloat16))
     results = []
@@ -151,7 +153,4 @@ def main():
     measure("synthetic outliers T=4096", q, k, v, {"random-token": (amax(kc), amax(vc))}, results)
     for r in results:
         print(json.dumps(r))
-
-
-if __name__ == "__main__":
-    main()
+    return results
