@@ -24,10 +24,12 @@ FP8_SEQS=${FP8_SEQS:-$((2 * SEQS))}
 BUDGET=${BUDGET:-260}
 
 long_reasoning() {  # mode kv_cache_dtype seqs
+  local mode=$1 dtype=$2 seqs=$3
   timeout $((BUDGET + 30)) python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b \
-    --aged-start --max-num-batched-tokens 8192 --modes "$1" --kv-cache-dtype "$2" --gpu-memory-utilization 0.9 \
-    --max-num-seqs "$3" --concurrency "$3" --time-budget "$BUDGET" --sample-interval-s 1 \
-    --json "$OUT/$1_$2.json" --png "$OUT/$1_$2.png" 2>&1 | tee "$OUT/$1_$2.log" | tail -12
+    --aged-start --max-num-batched-tokens 8192 --modes "$mode" --kv-cache-dtype "$dtype" \
+    --gpu-memory-utilization 0.9 --max-num-seqs "$seqs" --concurrency "$seqs" --time-budget "$BUDGET" \
+    --sample-interval-s 1 --json "$OUT/${mode}_$dtype.json" --png "$OUT/${mode}_$dtype.png" 2>&1 \
+    | tee "$OUT/${mode}_$dtype.log" | tail -12
 }
 
 case "${1:-kernels}" in

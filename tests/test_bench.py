@@ -160,7 +160,7 @@ def documented_bench_commands():
             if "[@]" in line or "..." in line or len(line.split()) < 2:  # arrays, elisions, names in prose
                 continue
             line = re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", line)
-            line = re.sub(r"\$\{?(\w+)\}?", lambda m: {"mode": "full"}.get(m.group(1), "1"), line)
+            line = re.sub(r"\$\{?(\w+)\}?", lambda m: {"mode": "full", "dtype": "fp8"}.get(m.group(1), "1"), line)
             commands.append((path.name, shlex.split(line)))
     return commands
 

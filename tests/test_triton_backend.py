@@ -76,11 +76,12 @@ def test_triton_registers_when_its_kernels_import(monkeypatch):
     for module, kernel in (("pallas_kernels.triton_decode", "paged_decode"),
                            ("pallas_kernels.triton_prefill", "ragged_prefill")):
         stand_ins[kernel] = types.ModuleType(module)  # stands in for the kernel module
-        setattr(stand_ins[kernel], kernel, lambda *args: None)
+        setattr(stand_ins[kernel], kernel, lambda *args, name=kernel: name)
         monkeypatch.setitem(sys.modules, module, stand_ins[kernel])
     backend = resolve_backend("triton")
     assert backend.name == "triton" and BACKENDS["triton"] is backend
-    assert backend.decode is stand_ins["paged_decode"].paged_decode
+    # a 16-bit pool goes to the kernel (an FP8 one through the jnp reference: the kernel has no FP8 path)
+    assert backend.decode(None, jnp.zeros((1, 2, 1, 4, 8), jnp.bfloat16)) == "paged_decode"
     assert backend.prefill is stand_ins["ragged_prefill"].ragged_prefill
     assert backend.write_kv is REFERENCE.write_kv  # KV write: the XLA scatter
     assert backend.window_scores is REFERENCE.window_scores  # no Triton scoring kernel: jnp scoring

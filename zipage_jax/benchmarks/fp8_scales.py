@@ -8,6 +8,7 @@ prompt (what the engine does), on a real trace, per-token scales (one per slot a
 default without calibration). Run: python -m zipage_jax.bench fp8-scales
 """
 
+import argparse
 import json
 
 import jax
@@ -126,9 +127,13 @@ def measure(name, q, k, v, calib, results):
                             "kept_agree_mean": mean, "kept_agree_min": low})
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="python -m zipage_jax.bench fp8-scales", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv=None) -> list[dict]:
-    if argv:
-        raise SystemExit(f"python -m zipage_jax.bench fp8-scales takes no options, got {' '.join(argv)}")
+    build_parser().parse_args(argv)
     cfg = ModelConfig.from_pretrained(DEFAULT_MODEL)
     params = to_serving(load_hf_weights(DEFAULT_MODEL, cfg, jnp.bfloat16))
     results = []

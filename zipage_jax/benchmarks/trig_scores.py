@@ -89,7 +89,7 @@ def bench(model_cfg, batch, budget, page, reps, dtype) -> dict:
     return row
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zipage_jax.bench trig-scores", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="shipped", choices=["shipped", *MODEL_SHAPES])
@@ -99,7 +99,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     model_cfg = ModelConfig.from_pretrained(DEFAULT_MODEL) if args.shape == "shipped" else MODEL_SHAPES[args.shape]
     model_cfg = dataclasses.replace(model_cfg, max_position_embeddings=max(model_cfg.max_position_embeddings, 4096))
     rows = []
