@@ -82,7 +82,8 @@ def test_triton_registers_when_its_kernels_import(monkeypatch):
     assert backend.name == "triton" and BACKENDS["triton"] is backend
     # a 16-bit pool goes to the kernel (an FP8 one through the jnp reference: the kernel has no FP8 path)
     assert backend.decode(None, jnp.zeros((1, 2, 1, 4, 8), jnp.bfloat16)) == "paged_decode"
-    assert backend.prefill is stand_ins["ragged_prefill"].ragged_prefill
+    pool = jnp.zeros((1, 2, 1, 4, 8), jnp.bfloat16)
+    assert backend.prefill(None, pool, pool, 0, None, None, None, 1.0) == "ragged_prefill"
     assert backend.write_kv is REFERENCE.write_kv  # KV write: the XLA scatter
     assert backend.window_scores is REFERENCE.window_scores  # no Triton scoring kernel: jnp scoring
     assert not backend.fused_compression
