@@ -107,7 +107,7 @@ class Meter:
             compiling_in_background=w.compiling_in_background,
             num_stalled=s.num_stalled, num_swapped=s.num_swapped, num_swaps=s.num_swaps,
             num_query_rows=s.num_query_rows, query_rows_used=s.query_rows_used,
-            max_concurrency=stats.max_concurrency,
+            max_concurrency=stats.max_concurrency, kv_cache_dtype=w.kv_cache_dtype,
         )
 
     def due(self) -> bool:

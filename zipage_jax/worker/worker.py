@@ -54,6 +54,7 @@ class WorkerStats:
     compression_dispatches: int
     compression_s: float | None  # device seconds compressing, where measured (see ``compress``), else None
     wide_compression_s: float  # of which first compressions wider than M + 1 pages (long prompts, aged starts)
+    kv_cache_dtype: str = "auto"  # the pool pages' dtype (``float8_e4m3fn`` with FP8 pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +202,8 @@ class Worker:
         return WorkerStats(compile_s=p.compile_wall_s, compiled_on_use=p.compiled_on_use,
                            compiling_in_background=self.limits() is not None,
                            compression_dispatches=self._compression_dispatches, compression_s=self._compression_s,
-                           wide_compression_s=self._wide_compression_s)
+                           wide_compression_s=self._wide_compression_s,
+                           kv_cache_dtype=np.dtype(self.plan.kv_dtype).name)
 
     # -- one scheduler output ------------------------------------------------------------------------------
     def execute(self, scheduled: SchedulerOutput) -> ExecuteResult:
