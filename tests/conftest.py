@@ -40,10 +40,11 @@ def pytest_configure(config):
 # The longest test files, longest first (CPU seconds on a 2-core machine; tail of the list ~20 s). With
 # `--dist loadfile` each file runs whole on one worker in collection order: started first, they leave the short
 # files to fill both workers at the end, instead of one long file running alone after the rest is done.
-LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_compression_engine.py", "test_notebooks.py",
-                 "test_tensor_parallel.py", "test_compression_bench.py", "test_bench.py", "test_scoring_kernel.py",
-                 "test_compaction_kernel.py", "test_serving_bench.py", "test_models.py", "test_compression_math.py",
-                 "test_readme.py", "test_kernels.py", "test_throughput_bench.py", "test_engine_process.py", "test_sweep.py")
+LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_compaction_kernel.py", "test_kernels.py",
+                 "test_compression_engine.py", "test_scoring_kernel.py", "test_readme.py", "test_fp8_kv.py",
+                 "test_structured_server.py", "test_throughput_bench.py", "test_bench.py", "test_tensor_parallel.py",
+                 "test_structured_outputs.py", "test_engine_process.py", "test_models.py", "test_compression_bench.py",
+                 "test_compression_math.py", "test_notebooks.py", "test_serving_bench.py", "test_sweep.py")
 
 
 def pytest_collection_modifyitems(items):
