@@ -53,15 +53,15 @@ def test_soak_with_cancellations_returns_every_page(url):
     import os
 
     # outputs of a mean 4.5 budgets of 32 tokens (clipped to the context), most cancelled in their first half: a
-    # loaded machine's client, slow to read its chunks, still closes most streams before the server has sent the
-    # last one (an abort); with 16-token budgets and half the streams cancelled it failed once in six loaded runs
+    # loaded machine's client, slow to read its chunks, still closes streams the server is sending (an abort)
     report, _ = bench.main(["serving", "--url", url, "--rates", "--requests", "8", "--soak", "3", "--soak-rate",
                             "8", "--cancel-prob", "0.8", "--server-pid", str(os.getpid()), "--drain-timeout", str(HANG_S),
                             "--rss-tolerance-mb", "1e6", *COMMON, "--budget-tokens", "32"])
     soak = report["soak"]
     assert soak["summary"]["cancelled"] > 0 and soak["summary"]["errors"] == 0
     assert soak["client_aborts"] > 0  # the server saw the closed streams
-    assert soak["peak_kv_pages_used"] > 0 and soak["pages_returned"] and soak["idle_after"]
+    # a cancelled stream had chunks, so its request held pages; the 1 Hz samples of the peak may miss them all
+    assert soak["pages_returned"] and soak["idle_after"]
     assert soak["kv_pages_used_after"] == soak["kv_pages_used_before"]
     assert soak["rss_growth_second_half_mb"] is not None and soak["memory_flat"]
 
