@@ -69,6 +69,26 @@ def random_pool(key, shape, dtype):
     return pool
 
 
+def decode_step(model_cfg, plan, batch: int, budget: int, page_size: int, backend):
+    """A decode step of a compression case's ``batch`` requests over its pool (one token each, its K/V written
+    in the page after their ``M + 1``): the batch and the jitted step ``(k, v, previous tokens, params, batch) ->
+    (k, v, greedy tokens)``, the pools donated, the lm_head part of it."""
+    last = (budget + 1) * page_size
+    decode = PagedBatch(
+        tokens=jnp.arange(batch, dtype=jnp.int32) % model_cfg.vocab_size,
+        positions=jnp.full((batch,), last + 3 * page_size - 1, jnp.int32),
+        slot_mapping=plan.src_tables[:, budget] * page_size + page_size - 1,
+        kv_lens=jnp.full((batch,), last, jnp.int32), page_tables=plan.src_tables,
+        logits_indices=jnp.arange(batch, dtype=jnp.int32))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(k, v, _previous_tokens, params, decode):
+        logits, k, v = forward_paged(params, model_cfg, k, v, decode, backend)
+        return k, v, jnp.argmax(logits, axis=-1)
+
+    return decode, step
+
+
 def compression_case(key, model_cfg, batch, budget, page_size, table_pages, dtype):
     """``batch`` requests holding ``M+1`` full pages each (steady state: compressed before, in-place targets)."""
     live_pages = budget + 1
@@ -278,19 +298,7 @@ def bench_compression(args):
             nonlocal params
             if params is None:
                 params = to_serving(weights.init_random_params(model_cfg, jax.random.key(0), dtype))
-            last = (budget + 1) * page_size
-            decode = PagedBatch(
-                tokens=jnp.arange(batch, dtype=jnp.int32) % model_cfg.vocab_size,
-                positions=jnp.full((batch,), last + 3 * page_size - 1, jnp.int32),
-                slot_mapping=plan.src_tables[:, budget] * page_size + page_size - 1,
-                kv_lens=jnp.full((batch,), last, jnp.int32), page_tables=plan.src_tables,
-                logits_indices=jnp.arange(batch, dtype=jnp.int32))
-
-            @functools.partial(jax.jit, donate_argnums=(0, 1))
-            def step(k, v, _previous_tokens, params, decode):
-                logits, k, v = forward_paged(params, model_cfg, k, v, decode, decode_backend)
-                return k, v, jnp.argmax(logits, axis=-1)  # greedy tokens: the lm_head is part of the step
-
+            decode, step = decode_step(model_cfg, plan, batch, budget, page_size, decode_backend)
             state = (case["k_pool"], case["v_pool"], decode.tokens)
             sec, (case["k_pool"], case["v_pool"], _) = time_donated(step, state, args.comp_reps, params, decode)
             step_ms["decode"] = sec * 1e3

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from zipage_jax.benchmarks.compression import compression_case, seconds_per_layer_call, time_donated
+from zipage_jax.benchmarks.compression import compression_case, decode_step, seconds_per_layer_call, time_donated
 from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.compression.query_centres import QueryCentres
 from zipage_jax.compression.scoring import paged_lightning_row_sums, paged_window_attention
@@ -29,7 +27,7 @@ from zipage_jax.compression.step import compress
 from zipage_jax.compression.trig_scores import paged_trig_scores
 from zipage_jax.config import DEFAULT_MODEL, ScoringConfig
 from zipage_jax.layers.attention import resolve_backend
-from zipage_jax.models import ModelConfig, PagedBatch, forward_paged, to_serving, weights
+from zipage_jax.models import ModelConfig, to_serving, weights
 from zipage_jax.models.rope import inverse_frequencies
 
 POLICIES = {"zipage": ScoringConfig(), "window": ScoringConfig(eviction_policy="window"),
@@ -68,18 +66,7 @@ def bench(model_cfg, batch, budget, page, reps, dtype) -> dict:
         case["k_pool"], case["v_pool"], case["score_cache"] = state
         row[f"compress_ms_{name}"] = sec * 1e3
     params = to_serving(weights.init_random_params(model_cfg, jax.random.key(2), dtype))
-    last = (budget + 1) * page
-    decode = PagedBatch(tokens=jnp.arange(batch, dtype=jnp.int32) % model_cfg.vocab_size,
-                        positions=jnp.full((batch,), last + 3 * page - 1, jnp.int32),
-                        slot_mapping=plan.src_tables[:, budget] * page + page - 1,
-                        kv_lens=jnp.full((batch,), last, jnp.int32), page_tables=plan.src_tables,
-                        logits_indices=jnp.arange(batch, dtype=jnp.int32))
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(k, v, _tokens, params, decode):
-        logits, k, v = forward_paged(params, model_cfg, k, v, decode, backend)
-        return k, v, jnp.argmax(logits, axis=-1)
-
+    decode, step = decode_step(model_cfg, plan, batch, budget, page, backend)
     sec, _ = time_donated(step, (case["k_pool"], case["v_pool"], decode.tokens), reps, params, decode)
     row["decode_step_ms"] = sec * 1e3
     for name in POLICIES:

@@ -22,17 +22,13 @@ import hashlib
 
 import numpy as np
 
-from zipage_jax.tasks.repeated_addition import SPLITS, SUM_DIGITS, TEST_FRACTION_INV, boxed_answer
+from zipage_jax.tasks.repeated_addition import SPLITS, TEST_FRACTION_INV, boxed_answer, reversed_digits
 
 A_DIGITS = 5
 B_MIN, B_MAX = 16, 30
 BLOCK = 6  # lines of one multiplication before the reasoning switches to the other
 
 __all__ = ["InterleavedProblem", "boxed_answer", "sample_problems"]
-
-
-def _digits(value: int) -> str:
-    return str(value).zfill(SUM_DIGITS)[::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +91,13 @@ class InterleavedProblem:
         last = self.lines()[-1][0]
         other, k = ("Y", self.d) if last == "X" else ("X", self.b)
         recalled = k * (self.c if other == "Y" else self.a)
-        return (f"{other}{k:02d}:{_digits(recalled)}\nSum:{_digits(self.a * self.b + self.c * self.d)}\n"
+        return (f"{other}{k:02d}:{reversed_digits(recalled)}\nSum:{reversed_digits(self.a * self.b + self.c * self.d)}\n"
                 f"\\boxed{{{self.answer}}}")
 
     def solution(self) -> str:
         """The reference reasoning: the interleaved running sums, then the conclusion."""
         factor = {"X": self.a, "Y": self.c}
-        return "".join(f"{name}{k:02d}:{_digits(k * factor[name])}\n" for name, k in self.lines()) + self.conclusion
+        return "".join(f"{name}{k:02d}:{reversed_digits(k * factor[name])}\n" for name, k in self.lines()) + self.conclusion
 
 
 def sample_problems(n: int, seed: int, split: str) -> list[InterleavedProblem]:

@@ -62,8 +62,14 @@ class Problem:
 
     def solution(self) -> str:
         """The reference reasoning: one line per partial sum, then the boxed product."""
-        lines = [f"{k:02d}:{str(k * self.a).zfill(SUM_DIGITS)[::-1]}\n" for k in range(1, self.b + 1)]
+        lines = [f"{k:02d}:{reversed_digits(k * self.a)}\n" for k in range(1, self.b + 1)]
         return "".join(lines) + self.conclusion
+
+
+def reversed_digits(value: int) -> str:
+    """A running sum as the traces write it: ``SUM_DIGITS`` digits, least significant first (the order a model
+    adds them in)."""
+    return str(value).zfill(SUM_DIGITS)[::-1]
 
 
 def sample_problems(n: int, seed: int, split: str) -> list[Problem]:

@@ -23,17 +23,13 @@ import hashlib
 
 import numpy as np
 
-from zipage_jax.tasks.repeated_addition import SPLITS, SUM_DIGITS, TEST_FRACTION_INV, boxed_answer
+from zipage_jax.tasks.repeated_addition import SPLITS, TEST_FRACTION_INV, boxed_answer, reversed_digits
 
 A_DIGITS = 5
 B_MIN, B_MAX = 4, 8
 D_MIN, D_MAX = 36, 50
 
 __all__ = ["StoredProblem", "boxed_answer", "sample_problems"]
-
-
-def _digits(value: int) -> str:
-    return str(value).zfill(SUM_DIGITS)[::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +79,13 @@ class StoredProblem:
     def conclusion(self) -> str:
         """The end of `solution()` computed once from the finished scratchpad: P recalled, the `Sum:` line (the
         two lines above it added) and the boxed result."""
-        return f"Mem:{_digits(self.stored)}\nSum:{_digits(int(self.answer))}\n\\boxed{{{self.answer}}}"
+        return f"Mem:{reversed_digits(self.stored)}\nSum:{reversed_digits(int(self.answer))}\n\\boxed{{{self.answer}}}"
 
     def solution(self) -> str:
         """The reference reasoning: A's running sums, P stored, C's running sums, then the conclusion."""
-        lines = [f"A{k:02d}:{_digits(k * self.a)}\n" for k in range(1, self.b + 1)]
-        lines.append(f"Mem:{_digits(self.stored)}\n")
-        lines += [f"C{k:02d}:{_digits(k * self.c)}\n" for k in range(1, self.d + 1)]
+        lines = [f"A{k:02d}:{reversed_digits(k * self.a)}\n" for k in range(1, self.b + 1)]
+        lines.append(f"Mem:{reversed_digits(self.stored)}\n")
+        lines += [f"C{k:02d}:{reversed_digits(k * self.c)}\n" for k in range(1, self.d + 1)]
         return "".join(lines) + self.conclusion
 
 
