@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Grammar:
+    request: object  # core.request.Request
     matcher: object  # llguidance.LLMatcher
     started: bool  # past the reasoning block (or constrained from the first token)
     marker: tuple[int, ...]  # the reasoning block's end, as token ids (empty: none)
@@ -48,7 +49,6 @@ class StructuredOutputManager:
         self.eos_token_ids = tuple(eos_token_ids)
         self.words = bitmask_words(vocab_size)
         self.grammars: dict[str, _Grammar] = {}
-        self._requests: dict[str, object] = {}
         self._dirty: dict[int, str] = {}  # token rows holding a constrained request's mask -> its request id
         self._ll_tokenizer = None
 
@@ -66,12 +66,10 @@ class StructuredOutputManager:
         if spec.reasoning_end is not None:
             marker = tuple(self.tokenizer.encode(spec.reasoning_end, add_special_tokens=False))
         started = not marker or _contains(request.prompt_token_ids, marker)
-        self.grammars[request.request_id] = _Grammar(matcher, started, marker)
-        self._requests[request.request_id] = request
+        self.grammars[request.request_id] = _Grammar(request, matcher, started, marker)
 
     def remove(self, request):
         self.grammars.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
 
     def __bool__(self) -> bool:
         """Whether a step may need table writes (a constrained request, or a row one left that is not reset)."""
@@ -79,7 +77,7 @@ class StructuredOutputManager:
 
     def waits_for_tokens(self) -> bool:
         """Whether a constrained request has a token in flight (its next mask needs that token on the host)."""
-        return any(r.num_pending for r in self._requests.values())
+        return any(g.request.num_pending for g in self.grammars.values())
 
     def accept(self, request, token: int) -> bool:
         """Advance the request's matcher past its newest token; True when the constraint is complete (or broken:
@@ -104,14 +102,11 @@ class StructuredOutputManager:
         its token row, and all ones back in the rows constrained requests left; None when nothing changes."""
         import llguidance.numpy as llnp
 
-        rows, active = [], []
-        for request in sampled:
-            grammar = self.grammars.get(request.request_id)
-            if grammar is not None and grammar.started:
-                rows.append(request.token_row)
-                active.append((request.request_id, grammar))
+        active = [g for g in (self.grammars.get(r.request_id) for r in sampled) if g is not None and g.started]
+        rows = [g.request.token_row for g in active]
+        written = set(rows)
         stale = [row for row, rid in self._dirty.items()
-                 if row not in rows and (rid not in self.grammars or self._requests[rid].token_row != row)]
+                 if row not in written and (rid not in self.grammars or self.grammars[rid].request.token_row != row)]
         for row in stale:
             del self._dirty[row]
         if not rows and not stale:
@@ -119,15 +114,14 @@ class StructuredOutputManager:
         masks = np.full((len(rows) + len(stale), self.words), -1, np.int32)
         words = masks.view(np.uint32)
         if len(active) > 1:  # on llguidance's threads, outside the GIL
-            llnp.fill_next_token_bitmask_par(self.executor, [(g.matcher, i) for i, (_, g) in enumerate(active)],
-                                             masks)
+            llnp.fill_next_token_bitmask_par(self.executor, [(g.matcher, i) for i, g in enumerate(active)], masks)
         elif active:
-            llnp.fill_next_token_bitmask(active[0][1].matcher, masks, 0)
-        for i, (row, (request_id, grammar)) in enumerate(zip(rows, active)):
+            llnp.fill_next_token_bitmask(active[0].matcher, masks, 0)
+        for i, grammar in enumerate(active):
             if grammar.matcher.is_accepting():  # every end-of-sequence id of the model ends a complete output
                 for eos in self.eos_token_ids:
                     words[i, eos // 32] |= np.uint32(1 << (eos % 32))
-            self._dirty[row] = request_id
+            self._dirty[rows[i]] = grammar.request.request_id
         return TokenBitmask(np.asarray(rows + stale, np.int32), masks)
 
     @functools.cached_property
