@@ -16,7 +16,7 @@ from zipage_jax.models.params import param_shapes
 from zipage_jax.parallel import make_mesh
 from zipage_jax.models.weights import shard_params
 from zipage_jax.models.weights import init_random_params, load_hf_weights, load_sharded, restore_params, save_params
-from zipage_jax.models.weights import init_random_serving_params, to_serving
+from zipage_jax.models.weights import init_random_serving_params, init_random_serving_params_stacked, to_serving
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -169,6 +169,9 @@ def test_random_serving_weights_have_the_serving_layout_and_draw_per_layer(shard
     assert not np.array_equal(a.layers[0].down_proj, a.layers[1].down_proj)
     assert abs(float(jnp.mean(a.layers[1].post_norm)) - 1.0) < 0.01
     assert abs(float(jnp.std(a.layers[0].gate_up_proj)) - 0.02) < 0.002
+    # the stacked twin (a dense oracle's weights) holds the same numbers
+    twin = to_serving(init_random_serving_params_stacked(cfg, jax.random.key(3), jnp.float32), shards)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(twin)))
 
 
 LOADERS = {"whole": load_hf_weights,

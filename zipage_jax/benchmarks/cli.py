@@ -5,7 +5,6 @@ import importlib
 import json
 import sys
 
-import jax
 
 from zipage_jax.benchmarks import decode as decode_bench
 from zipage_jax.benchmarks import scheduling, serving, throughput
@@ -109,7 +108,6 @@ def main(argv=None):
             with open(args.json, "a") as f:
                 f.write(json.dumps(report) + "\n")
         return report, None
-    print(f"decode benchmark: {args.model_shape} on {jax.devices()[0].device_kind}, batches {args.batch}")
 
     def write(report):
         if args.json:

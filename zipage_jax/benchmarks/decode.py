@@ -23,6 +23,7 @@ Engine options are ``EngineConfig``'s (``--page-size``, ``--max-num-batched-toke
 """
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -42,6 +43,7 @@ from zipage_jax.config import SCORING_FIELDS, EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.models import weights
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.worker import device_memory
 from zipage_jax.worker.worker import Worker, resolve_dtype
 
 # engine options the benchmark sets itself: full KV, the pool sized for every request at full length, the prefix
@@ -89,13 +91,14 @@ def decode_benchmark(model_shape: str, batches: list[int], ctx: int, steps: int,
     dtype = resolve_dtype(config.dtype, model_cfg)
     tensor_parallel_size = config.tensor_parallel_size
     t = time.perf_counter()
-    # the pool is sized from the card and must hold every request's pages: the weights go in already in the
-    # serving layout, so no stacked copy is held while the plan reads the card
-    params = weights.to_serving(weights.init_random_params(model_cfg, jax.random.key(config.seed), dtype),
-                                tensor_parallel_size)
-    jax.block_until_ready(params)
+    # the pool is sized from the card and must hold every request's pages: jax starts with the engine's share of
+    # the card, the pool is placed first, and the engine then makes the random weights layer by layer in the
+    # serving layout (no stacked copy whose freed buffers would fragment the memory the pool needs)
+    with device_memory.start_backend(config.gpu_memory_utilization):
+        progress(f"decode benchmark: {model_shape} on {jax.devices()[0].device_kind}, batches {batches}")
+    params = functools.partial(weights.init_random_serving_params, model_cfg, jax.random.key(config.seed), dtype,
+                               tensor_parallel_size)
     worker = Worker.create(config, model_cfg, params=params)
-    del params
     engine = LLMEngine(config, model_cfg, worker=worker, scheduler_cls=HoldingScheduler)
     replay = DecodeReplay(worker)
     num_pages = engine.num_pages

@@ -297,21 +297,43 @@ def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloa
     """Deterministic random weights made straight in the serving layout, layer by layer (values of their own, not
     ``init_random_params``'s): the device holds the weights and one layer's noise at most, never a stacked copy
     beside the serving one, so an engine can make them after placing a pool sized for one copy."""
-    shapes, dtype = param_shapes(cfg), jnp.dtype(dtype)
-    top = {name: _random_weight(key, name, shapes[name], dtype, std)
-           for name in WEIGHTS if shapes[name] is not None and not name.startswith("layers.")}
-    layers = tuple(_random_serving_layer(cfg, jax.random.fold_in(key, len(WEIGHTS) + i), dtype, shards, std)
+    top = _random_top(cfg, key, jnp.dtype(dtype), std)
+    layers = tuple(_random_serving_layer(cfg, _layer_key(cfg, key, i), jnp.dtype(dtype), shards, std)
                    for i in range(cfg.num_layers))
     return ServingParams(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"),
                          shards=shards)
 
 
+def init_random_serving_params_stacked(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16,
+                                       std: float = 0.02) -> Params:
+    """``init_random_serving_params``'s values in the stacked layout: an oracle's copy (``forward_dense``) of the
+    weights an engine made for itself."""
+    dtype = jnp.dtype(dtype)
+    per_layer = [_random_layer(cfg, _layer_key(cfg, key, i), dtype, std) for i in range(cfg.num_layers)]
+    layers = {name: jnp.concatenate([layer[name] for layer in per_layer]) for name in per_layer[0]}
+    return params_from_flat({**_random_top(cfg, key, dtype, std), **layers})
+
+
+def _random_top(cfg: ModelConfig, key, dtype, std: float) -> dict:
+    shapes = param_shapes(cfg)
+    return {name: _random_weight(key, name, shapes[name], dtype, std)
+            for name in WEIGHTS if shapes[name] is not None and not name.startswith("layers.")}
+
+
+def _layer_key(cfg: ModelConfig, key, i: int):
+    return jax.random.fold_in(key, len(WEIGHTS) + i)
+
+
+def _random_layer(cfg: ModelConfig, key, dtype, std: float) -> dict:
+    """One layer's random weights by flat name, each with a leading axis of 1."""
+    shapes = param_shapes(cfg)
+    return {name: _random_weight(key, name, (1,) + shapes[name][1:], dtype, std)
+            for name in WEIGHTS if shapes[name] is not None and name.startswith("layers.")}
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
 def _random_serving_layer(cfg: ModelConfig, key, dtype, shards: int, std: float) -> ServingLayer:
-    shapes = param_shapes(cfg)
-    one = {name: _random_weight(key, name, (1,) + shapes[name][1:], dtype, std)
-           for name in WEIGHTS if shapes[name] is not None and name.startswith("layers.")}
-    stacked = params_from_flat({"embed": None, "final_norm": None, **one}).layers
+    stacked = params_from_flat({"embed": None, "final_norm": None, **_random_layer(cfg, key, dtype, std)}).layers
     return serving_layer(stacked, 0, shards)
 
 
