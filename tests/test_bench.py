@@ -136,7 +136,7 @@ def test_ttft_command_chunked_prefill_gives_the_dense_first_token(tmp_path):
     assert row == report["results"][0]
     assert row["prefill_tokens"] == 16 and row["steps"] >= 3 and row["ttft_ms"] > 0
     cfg = MODEL_SHAPES["tiny"]
-    params = weights.init_random_serving_params_stacked(cfg, jax.random.key(0), jnp.float32)  # the bench's weights
+    params = weights.init_random_params(cfg, jax.random.key(0), jnp.float32)  # the benchmark's seed-0 weights
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, size=prompt_len) for _ in range(trials + 1)]
     dense = jax.jit(lambda tokens: forward_dense(params, cfg, tokens))
