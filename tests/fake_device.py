@@ -56,20 +56,16 @@ class FakeDevice:
         result = ExecuteResult()
         for swap in out.swap_outs:
             result.swapped_out[swap.request.request_id] = self.swap_out(swap)
+        for c in out.compressions:  # the worker's order: before anything of the step writes the pool
+            self.compress(c, s.budget(c.request))
         for swap in out.swap_ins:
             self.swap_in(swap)
-        if not s.async_compression:
-            for c in out.compressions:
-                self.compress(c, s.budget(c.request))
         handles = []
         if out.decodes:
             handles.append(self._handle(out.decodes, [self.decode(r) for r in out.decodes], "decode"))
         if out.prefills:
             sampled = [self.prefill(c) for c in out.prefills]
             handles.append(self._handle([c.request if c.samples else None for c in out.prefills], sampled, "prefill"))
-        if s.async_compression:
-            for c in out.compressions:
-                self.compress(c, s.budget(c.request))
         self.counts.update(compressions=len(out.compressions), swaps=len(out.swap_outs), stalls=len(out.stalled),
                            recomputes=sum(not r.compressed for r in out.preempted),
                            compression_dispatches=bool(out.compressions))
@@ -171,8 +167,6 @@ class FakeDevice:
         assert not any(r in s.running for r in out.preempted)
         compressing = {id(c.request) for c in out.compressions}
         assert all(c.request.query_row is not None for c in out.compressions), "compression without a query row"
-        if s.async_compression:
-            assert not compressing & {id(r) for r in scheduled}, "decoded while its compression is pending"
         assert not {id(r) for r in out.stalled} & ({id(r) for r in scheduled} | compressing)
         if s.max_compression_pages is not None and len(out.compressions) > 1:
             assert sum(len(c.src_pages) for c in out.compressions) <= s.max_compression_pages
@@ -246,7 +240,7 @@ def run(engine: LLMEngine, requests: list[Request], arrivals=None, aborts=None, 
             on_step(engine)
         step += 1
     assert all(r.status.finished for r in requests)
-    assert not s.has_work() and engine.page_manager.num_used_pages == 0 and not engine.page_manager.deferred
+    assert not s.has_work() and engine.page_manager.num_used_pages == 0
     assert sorted(s.free_token_rows) == list(range(s.max_num_seqs))
     assert sorted(s.query_rows.free) == list(range(s.query_rows.num_rows)) and s.query_rows.committed_pages == 0
 

@@ -176,12 +176,12 @@ def test_copy_on_write_target_is_never_read_by_another_compression_of_the_step()
     bm.match_prefix(other)
     assert bm.allocate(other, 12)
     assert bm.num_free_pages == 0
-    src, dst = bm.allocate_compaction(other, budget=1)  # releases its middle page (sync: straight to the free list)
+    src, dst = bm.allocate_compaction(other, budget=1)  # releases its middle page, straight to the free list
     released = src[1]
     assert dst == src[:1] and bm.num_free_pages == 1 and released in bm.free_pages
     assert bm.allocate_compaction(sharer, budget=1) is None  # the only free page is still read this step
     bm.check_invariants([owner, sharer, other])
-    bm.release_deferred()  # the next step
+    bm.new_step()
     shared_page = sharer.page_ids[0]
     src, dst = bm.allocate_compaction(sharer, budget=1)
     assert src[0] == shared_page and dst == [released] and bm.ref_count[shared_page] == 1

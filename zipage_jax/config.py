@@ -272,8 +272,8 @@ DESCRIPTIONS = {
                  "then stall until a query row frees, admitted only while the pages they can hold before it fit; "
                  "`hybrid`: the same, admitted greedily (may thrash by recompute preemption); `constrained`: only "
                  "query-row holders run",
-    "async_compression": "compression dispatched after the step's decode and never waited on (its requests decode "
-                         "next step); False = first, the host waits",
+    "async_compression": "the host never waits for a compression (dispatched first in its step, its requests "
+                         "decode in the same step); False = the host waits for it (timed)",
     "max_compression_pages": "most (padded) source pages in one compression dispatch, the scratch reserved up "
                              "front; None = max(pages of `max_model_len`, min(`max_num_seqs`, 64) * (M+1))",
     "compression_min_batch": "due compressions wait (their requests skip decode steps) until this many are due "

@@ -2,11 +2,11 @@
 
 Page 0 is the null page (padding writes land there) and is never handed out. A freed page whose contents are
 hashed stays findable until it is reused (LRU order), so a later request with the same prefix still hits.
-Pages released by a compression that runs after the step's other work (asynchronous compression) are
-*deferred*: they reach the free list only at the next step, so no step dispatched before that compression
-can write them while it still reads them. Within one step's compression batch, a copy-on-write target is never
-a page another compression of the batch reads (the compaction kernel runs the requests concurrently, each in
-place; see ``pallas_kernels.compaction``).
+A step's compressions run before anything else the step writes into the pool (the worker dispatches them
+first), so the pages they release go straight to the free list: whatever is written there later in the step
+comes after the compaction read them. Within one step's compression batch, a copy-on-write target is never a page
+another compression of the batch reads (the compaction kernel runs the requests concurrently, each in place; see
+``pallas_kernels.compaction``).
 """
 
 import collections
@@ -37,7 +37,6 @@ class PageManager:
         self.hash_to_page: dict[int, int] = {}
         self.free_pages: collections.OrderedDict[int, None] = collections.OrderedDict(
             (p, None) for p in range(1, num_pages))
-        self.deferred: dict[int, None] = {}  # unreferenced, not yet reusable (see the module docstring)
         self.compaction_sources: set[int] = set()  # pages read by this step's compressions: never their targets
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens served from the cache
@@ -71,10 +70,7 @@ class PageManager:
 
     def _ref(self, page: int):
         if self.ref_count[page] == 0:
-            if page in self.deferred:  # still readable: its contents change only once it is handed out
-                del self.deferred[page]
-            else:
-                del self.free_pages[page]
+            del self.free_pages[page]
         self.ref_count[page] += 1
 
     def match_prefix(self, request, limit: int | None = None) -> int:
@@ -126,12 +122,8 @@ class PageManager:
             return None
         return [self._take_free_page() for _ in range(n)]
 
-    def release_deferred(self):
-        """A new step: make the pages of the compressions dispatched last step reusable (they run before anything
-        new), and any page a compression target."""
-        for page in self.deferred:
-            self.free_pages[page] = None
-        self.deferred.clear()
+    def new_step(self):
+        """A new step: any free page may be a compression target again (last step's compactions precede it)."""
         self.compaction_sources.clear()
 
     def free(self, request):
@@ -147,14 +139,11 @@ class PageManager:
             del self.hash_to_page[old]
             self.page_hash[page] = None
 
-    def _unref(self, page: int, defer: bool = False):
+    def _unref(self, page: int):
         self.ref_count[page] -= 1
         assert self.ref_count[page] >= 0, f"page {page} freed twice"
         if self.ref_count[page] == 0:
-            if defer:
-                self.deferred[page] = None
-            else:
-                self.free_pages[page] = None
+            self.free_pages[page] = None
 
     def _private(self, page: int) -> int:
         """The page itself if only this request holds it (it stops being a cache entry), else a fresh copy target."""
@@ -164,13 +153,12 @@ class PageManager:
         self._unref(page)
         return self._take_free_page(avoid=self.compaction_sources)
 
-    def allocate_compaction(self, request, budget: int, defer: bool = False):
+    def allocate_compaction(self, request, budget: int):
         """Give the request the pages of its compaction into ``budget`` pages plus a recent page.
 
         Returns ``(src_pages, dst_pages)`` — the live pages read, the pages the kept slots are written to — or
         None when copy-on-write of shared pages needs more free pages than there are. Shared pages are only
-        read (they lose this request's reference); pages in between are released, still findable by hash
-        (deferred with ``defer``: the compression is dispatched after the step's other work).
+        read (they lose this request's reference); pages in between are released, still findable by hash.
         """
         src = list(request.page_ids)
         cow = sum(self.ref_count[p] > 1 for p in src[:budget]) + (self.ref_count[src[-1]] > 1)
@@ -180,7 +168,7 @@ class PageManager:
         dst = [self._private(p) for p in src[:budget]]
         recent = self._private(src[-1])
         for page in src[budget:-1]:
-            self._unref(page, defer)
+            self._unref(page)
         request.page_ids = dst + [recent]
         request.page_hashes = []
         return src, dst
@@ -209,8 +197,6 @@ class PageManager:
         for page in range(1, self.num_pages):
             assert self.ref_count[page] == owners.get(page, 0), f"page {page}: ref {self.ref_count[page]} " \
                                                                 f"!= owners {owners.get(page, 0)}"
-            assert (self.ref_count[page] == 0) == (page in self.free_pages or page in self.deferred), \
-                f"page {page} free-list mismatch"
-            assert not (page in self.free_pages and page in self.deferred), f"page {page} free and deferred"
+            assert (self.ref_count[page] == 0) == (page in self.free_pages), f"page {page} free-list mismatch"
         for h, page in self.hash_to_page.items():
             assert self.page_hash[page] == h

@@ -5,13 +5,12 @@ One ``schedule()`` runs these phases (docs/ARCHITECTURE.md, Scheduling and Compr
 
 | phase      | what happens                                                                                        |
 |------------|-----------------------------------------------------------------------------------------------------|
-| finish     | pages released by the last step's compressions return to the free list (they are ordered before      |
-|            | anything dispatched now)                                                                            |
+| finish     | a new step: pages the last step's compressions read may be copy-on-write targets again              |
 | running    | each running request in admission order, while the step has tokens left:                            |
 | ·gate      | a request without a query row stops short of the window of its first compression (a prefill chunk   |
 |            | is cut there; a decode stalls) unless a query row is granted now                                    |
 | ·compress  | one due for compression (``M+1`` full pages, needing another) joins the step's compression batch, or |
-|            | stalls while the batch is held back or full; asynchronous mode decodes it next step                 |
+|            | stalls while the batch is held back or full; compressed, it decodes in the same step                |
 | ·preempt   | pages it needs are taken from the most recently admitted running request not yet scheduled this     |
 |            | step: an uncompressed one is freed and recomputed later (exact), a compressed one is swapped out     |
 | ·decode /  | one token, or the next prompt chunk (within the token budget and ``max_num_prefill_seqs``, never    |
@@ -25,9 +24,9 @@ whatever the chunking: prefill chunks stop there, so recomputation and chunking 
 is due again every page. The prefix cache never serves the pages of that window (their queries must be computed),
 nor any page of a request that asks for prompt logprobs (a cached page has no logits). The due requests of a step
 form one compression batch, bounded by ``max_compression_pages`` source pages (the rest stall a step), dispatched
-as ``core.compression_batching`` decides. Asynchronous mode: the batch is
-dispatched after the step's decode and prefill, its requests decode next step, and the pages it releases are
-deferred to the next step. Synchronous mode: the batch runs first and its requests decode in the same step.
+as ``core.compression_batching`` decides. The batch runs before the step's other device work (the same stream), so
+its requests decode in the same step and the pages it releases are free at once; asynchronous mode only spares the
+host the wait for it.
 
 A request is written by the scheduler and the page manager only: the worker returns what it produced
 (``dispatched``: the tokens in flight, the swapped-out contents; ``accept``: a token read back).
@@ -77,7 +76,6 @@ class Scheduler:
         self.max_running, self.max_step_tokens = self.max_num_seqs, self.max_num_batched_tokens
         self.window = config.scoring.window
         self.admission = ADMISSION[config.admission]
-        self.async_compression = config.async_compression
         self.max_compression_pages = plan.max_compression_pages
         self.query_rows = QueryRows(plan.num_query_rows, page_manager.num_pages - 1)
         self.batching = CompressionBatching(config.compression, config.compression_min_batch,
@@ -130,7 +128,7 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.page_manager.release_deferred()  # finish: last step's compressions precede everything dispatched now
+        self.page_manager.new_step()
         step = _Step(SchedulerOutput(), self.max_step_tokens,
                      compress_now=self.batching.dispatch_now(self.running, self._due_for_compression))
         self._scheduled = set()
@@ -166,8 +164,6 @@ class Scheduler:
                 return False
             step.compression_pages += pages
             self._scheduled.add(id(request))
-            if self.async_compression:
-                return True  # not decoded until its compression has run: next step
         if not self._allocate_or_preempt(request, num_new, step.out):
             return False
         if decode:
@@ -221,7 +217,7 @@ class Scheduler:
     def _compress_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
         assert request.query_row is not None, "compression without a query row"
         budget = self.budget(request)
-        while (pages := self.page_manager.allocate_compaction(request, budget, self.async_compression)) is None:
+        while (pages := self.page_manager.allocate_compaction(request, budget)) is None:
             if not self._preempt_for(request, out):
                 return False
         src, dst = pages

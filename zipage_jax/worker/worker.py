@@ -4,8 +4,9 @@ weights), then runs each scheduler output as jitted programs (``catalog``) over 
 the engine reads one step later.
 
 ``execute`` runs one scheduler output in the order that makes it correct on one device stream: swap-outs copy
-released pages to the host before anything reuses them, swap-ins restore pages, then compression (synchronous:
-first, and the host waits; asynchronous: after the step's decode and prefill, never waited on), decode, prefill.
+released pages to the host before anything reuses them, then compression (the host waits for it in synchronous
+mode only), so that the pages it reads and releases are written by nothing before it, then swap-ins, decode (the
+compressed requests among its rows), prefill.
 Observers see each compression dispatch (``add_compression_observer``: a benchmark times or traces them) and each
 step dispatch (``add_step_observer``); the default path has none and never syncs with the device.
 """
@@ -209,20 +210,18 @@ class Worker:
     def execute(self, scheduled: SchedulerOutput) -> ExecuteResult:
         """Dispatch everything ``scheduled`` asks for (see the module docstring)."""
         result = ExecuteResult()
-        for swap in scheduled.swap_outs:
+        for swap in scheduled.swap_outs:  # read before anything of this step writes their pages
             result.swapped_out[swap.request.request_id] = self.swap_out(swap.pages, swap.query_row)
+        if scheduled.compressions:  # before every other write: the pages they release are reused in this step
+            self.compress(scheduled.compressions, wait=not self.config.async_compression)
         for swap in scheduled.swap_ins:
             self.swap_in(swap.request.page_ids, swap.request.query_row, swap.contents)
         if scheduled.token_bitmask is not None:
             self.set_token_bitmask(scheduled.token_bitmask)
-        if scheduled.compressions and not self.config.async_compression:
-            self.compress(scheduled.compressions, wait=True)
         if scheduled.decodes:
             result.handles.append(self.decode(scheduled.decodes))
         if scheduled.prefills:
             result.handles.append(self.prefill(scheduled.prefills))
-        if scheduled.compressions and self.config.async_compression:
-            self.compress(scheduled.compressions)
         return result
 
     # -- steps ---------------------------------------------------------------------------------------------
