@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.reference import row_layers
 
 SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA dynamic shared memory
 
@@ -117,7 +118,7 @@ def _compact_walk(layer_ref, rows_ref, dst_ref, valid_ref, pools, bars, *, block
     """One (request, KV head)'s output blocks in ascending order, for each ``(pool ref, staging SMEM)`` of
     ``pools``; every block's copies arrive on one barrier."""
     head, row = lax.axis_index("h"), lax.axis_index("b")
-    layer = layer_ref[0]
+    layer = layer_ref[row]
     group = math.gcd(block_rows, row_group)
     run = math.gcd(group, max_run)
     stages = pools[0][1].shape[0]
@@ -198,7 +199,8 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
     D = 64 or 128) are donated and updated in place: do
     not use the arrays passed in afterwards. Inside an outer jit the donation is the outer jit's business (a
     ``fori_loop`` carry or donated arguments, as in ``compress``); the kernel's outputs alias its inputs either
-    way. ``layer`` is a (traced) int32 scalar; ``kept [B, Hkv, M * S]`` strictly ascending per (row, head) and
+    way. ``layer`` is a (traced) int32 scalar, or one per row ``[B]`` (the rows of several layers compacted
+    together); ``kept [B, Hkv, M * S]`` strictly ascending per (row, head) and
     in ``[0, P * S)`` (traced, so not checked); ``dst_tables [B, M]``, ``src_tables [B, P]``, ``valid [B]``, with
     the page guarantees of the module docstring. ``block_rows`` (default ``default_block_rows(S)``) must
     divide S; ``stages`` (>= 2) blocks are staged at once; ``row_group`` kept rows have their indices read
@@ -231,6 +233,6 @@ def compact_slots(k_pool, v_pool, layer, kept, src_tables, dst_tables, valid, *,
         scratch_types=(*[stage] * pools_per_cta,
                        plgpu.Barrier(num_arrivals=pools_per_cta * block_rows, num_barriers=stages)),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32),
+    )(row_layers(layer, batch), pool_rows, dst_tables.astype(jnp.int32), valid.astype(jnp.int32),
       k_ref, v_ref)
     return jax.freeze(k_ref), jax.freeze(v_ref)

@@ -41,9 +41,10 @@ def upcast(x, dtype=jnp.bfloat16):
 
 
 def scale_queries(q, k_scale):
-    """``q [..., Hq, D]`` times its KV head's K scale (``k_scale [Hkv]``), in q's dtype."""
-    group = q.shape[-2] // k_scale.shape[0]
-    return (q.astype(jnp.float32) * jnp.repeat(k_scale, group)[:, None]).astype(q.dtype)
+    """``q [..., Hq, D]`` times its KV head's K scale (``k_scale [..., Hkv]``, broadcast against q's leading axes),
+    in q's dtype."""
+    group = q.shape[-2] // k_scale.shape[-1]
+    return (q.astype(jnp.float32) * jnp.repeat(k_scale, group, axis=-1)[..., None]).astype(q.dtype)
 
 
 def scale_outputs(out, v_scale):

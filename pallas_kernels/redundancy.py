@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import TILE_ROWS, swizzled
-from pallas_kernels.reference import NORM_FLOOR  # the jnp reference's clamp of the key norms
+from pallas_kernels.reference import NORM_FLOOR, row_layers  # NORM_FLOOR: the jnp reference's clamp of the key norms
 
 
 def block_slots(page_size):
@@ -70,7 +70,7 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
                      col_bits_smem, barrier, inv_smem, sums_smem, match_smem, *staging, threshold, page_size):
     """``staging``: an FP8 pool's 8-bit buffer, which the pages arrive in before their upcast into ``k_smem``."""
     kv_head, row, block = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("p")
-    layer, num_pages = layer_ref[0], num_pages_ref[row]
+    layer, num_pages = layer_ref[row], num_pages_ref[row]
     slots = k_smem.shape[0]
     width = min(COLUMN_TILE, slots)
     num_tiles, num_cols, pages_per_block = slots // TILE_ROWS, slots // width, slots // page_size
@@ -175,8 +175,8 @@ def _matched_similarity(match, slots):
 @functools.partial(jax.jit, static_argnames=("threshold", "interpret"))
 def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, interpret=False):
     """Raw lightning redundancy ``[B, Hkv, P * S]`` f32 of the requests' first ``num_pages [B]`` (full) pages
-    in ``page_tables [B, P]`` of pool layer ``layer``: what ``redundancy_row_sums`` gives on their gathered keys
-    with ``redundancy="lightning"``; slots past the live pages are 0. ``interpret`` may be
+    in ``page_tables [B, P]`` of pool layer ``layer`` (or one per row ``[B]``): what ``redundancy_row_sums`` gives
+    on their gathered keys with ``redundancy="lightning"``; slots past the live pages are 0. ``interpret`` may be
     ``plgpu.InterpretGPUParams()`` to run on CPU."""
     num_pages = jnp.asarray(num_pages, jnp.int32)
     _check_inputs(k_pool, page_tables, num_pages)
@@ -202,7 +202,7 @@ def lightning_row_sums(k_pool, layer, page_tables, num_pages, threshold, *, inte
             *([plgpu.SMEM((slots, head_dim), k_pool.dtype)] if fp8 else []),
         ),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), num_pages, page_tables.astype(jnp.int32), k_pool,
+    )(row_layers(layer, page_tables.shape[0]), num_pages, page_tables.astype(jnp.int32), k_pool,
       (jnp.arange(slots, dtype=jnp.int32) << _COL_SHIFT) - _F32_2_23_BITS)
     live = jnp.arange(num_blocks * slots)[None, None, :] < (num_pages * page_size)[:, None, None]
     row_sums = sums - _matched_similarity(jnp.where(live, match, -1), slots)

@@ -23,10 +23,20 @@ def write_kv_ref(k_pool, v_pool, layer, slot_mapping, k, v):
     return k_pool, v_pool
 
 
+def row_layers(layer, rows: int):
+    """``layer`` (one layer for every row, or one per row ``[R]``) as an index over the rows' leading axis: a
+    compression batch may carry the rows of several layers (``compression.step.compress``)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return layer if layer.ndim else jnp.broadcast_to(layer, (rows,))
+
+
 def gather_request_kv(pool, layer, page_table):
     """KV of the requests in ``page_table [R, P]`` as ``[R, Hkv, P * S, D]`` (one gather, no per-layer slice); an FP8
-    pool's values upcast exactly to bf16 (its scales are applied outside: ``kv_quant``)."""
-    pages = upcast(jnp.asarray(pool)[layer, page_table])  # [R, P, Hkv, S, D]
+    pool's values upcast exactly to bf16 (its scales are applied outside: ``kv_quant``). ``layer``: one for every
+    row, or one per row ``[R]``."""
+    layer = jnp.asarray(layer)
+    index = layer[:, None] if layer.ndim else layer
+    pages = upcast(jnp.asarray(pool)[index, page_table])  # [R, P, Hkv, S, D]
     r, p, h, s, d = pages.shape
     return pages.transpose(0, 2, 1, 3, 4).reshape(r, h, p * s, d)
 

@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import TILE_ROWS, check_block_kv, swizzled
+from pallas_kernels.reference import row_layers
 
 _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite start of the running max: a row with nothing visible yet stays NaN-free
@@ -74,7 +75,7 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
                    lse_smem, out_smem, *wide, window, group, sm_scale, block_kv, num_stages, page_size):
     """``wide``: with an FP8 pool, the 16-bit buffer each staged 8-bit key block is upcast into for the wgmmas."""
     kv_head, row = lax.axis_index("h"), lax.axis_index("b")
-    layer, num_live = layer_ref[0], num_live_ref[row]
+    layer, num_live = layer_ref[row], num_live_ref[row]
     num_tiles = q_smem.shape[0] // TILE_ROWS
     num_blocks = pl.cdiv(num_live, block_kv)
     last_live_page = lax.max(num_live - 1, 0) // page_size
@@ -185,7 +186,8 @@ def window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, *, bl
     """A ``[B, Hkv, N]`` f32 (N = P * S): what the engine's jnp ``window_attention`` computes
     from ``gather_request_kv(k_pool, layer, page_tables)``; slots ``>= num_live`` are 0.
 
-    ``queries [B, W, Hq, D]``: the window queries in order. Only the ``num_live`` live slots are read.
+    ``queries [B, W, Hq, D]``: the window queries in order. Only the ``num_live`` live slots are read. ``layer``:
+    one for every row, or one per row ``[B]`` (the rows of several layers scored together).
     ``block_kv`` defaults to ``default_block_kv(S)``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to
     run on CPU.
     """
@@ -223,7 +225,7 @@ def window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale, *, bl
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), num_live, page_tables.astype(jnp.int32), q_rows, k_pool)
+    )(row_layers(layer, batch), num_live, page_tables.astype(jnp.int32), q_rows, k_pool)
     live = jnp.arange(num_slots)[None, None, :] < num_live[:, None, None]
     return jnp.where(live, out[..., :num_slots], 0.0)
 

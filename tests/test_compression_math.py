@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import paged_decode_ref
-from zipage_jax.compression.step import CompressionBatch, compress, slot_scores
+from zipage_jax.compression.step import CompressionBatch, compress, layer_group, slot_scores
 from zipage_jax.config import ScoringConfig
 from zipage_jax.compression.selection import select_slots
 from zipage_jax.layers.attention import REFERENCE
@@ -169,8 +169,13 @@ def jitted_scores(cfg):
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_compress(cfg):
-    return jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE, backend=REFERENCE), donate_argnums=(0, 1, 2))
+def jitted_compress(cfg, max_pages=None):
+    """``max_pages``: None compresses layer by layer; ALL_LAYERS lets every layer go in one group."""
+    return jax.jit(functools.partial(compress, cfg=cfg, sm_scale=SCALE, backend=REFERENCE, max_pages=max_pages),
+                   donate_argnums=(0, 1, 2))
+
+
+ALL_LAYERS = 10 ** 6
 
 
 def device_scores(k_pool, score_cache, query_cache, batch, cfg):
@@ -274,23 +279,23 @@ def dense_attention(q, keys, values):
                      for h in range(hq)])
 
 
-COMPRESS_CASES = [
-    (DEFAULT, 4),
-    (ScoringConfig(window=WINDOW, redundancy="full", sink_tokens=3, pooling_first_only=False), 1),
-    (ScoringConfig(window=WINDOW, global_score=False, redundancy="off", pooling=False), 4),
-    (ScoringConfig(window=WINDOW, eviction_policy="window", sink_tokens=2), 1),
+COMPRESS_CASES = [  # (cfg, query group, max_pages): half of them compress every layer in one group
+    (DEFAULT, 4, ALL_LAYERS),
+    (ScoringConfig(window=WINDOW, redundancy="full", sink_tokens=3, pooling_first_only=False), 1, None),
+    (ScoringConfig(window=WINDOW, global_score=False, redundancy="off", pooling=False), 4, None),
+    (ScoringConfig(window=WINDOW, eviction_policy="window", sink_tokens=2), 1, ALL_LAYERS),
 ]
 
 
-@pytest.mark.parametrize("cfg,group", COMPRESS_CASES)
-def test_compress_end_to_end(cfg, group):
+@pytest.mark.parametrize("cfg,group,max_pages", COMPRESS_CASES)
+def test_compress_end_to_end(cfg, group, max_pages):
     rng = seeded_rng()
     hkv = 2
     k_pool, v_pool, score_cache, query_cache, batch = make_problem(rng, hkv=hkv, group=group, rows=3, padding=1)
     scores = device_scores(k_pool, score_cache, query_cache, batch, cfg)
     _, glob = oracle_scores(k_pool, score_cache, query_cache, batch, cfg)
     keep = BUDGET * PAGE
-    new_k, new_v, new_scores = map(np.asarray, jitted_compress(cfg)(
+    new_k, new_v, new_scores = map(np.asarray, jitted_compress(cfg, max_pages)(
         jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(score_cache), jnp.asarray(query_cache),
         device_batch(batch)))
 
@@ -325,9 +330,10 @@ def test_compress_end_to_end(cfg, group):
             np.testing.assert_allclose(attn[b], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("group", [4, 1])
-def test_consecutive_compressions_carry_the_kept_history(group):
-    """Rounds of compress → fresh page of K/V and queries → compress, tracked independently in numpy."""
+@pytest.mark.parametrize("group,max_pages", [(4, None), (1, ALL_LAYERS)])
+def test_consecutive_compressions_carry_the_kept_history(group, max_pages):
+    """Rounds of compress → fresh page of K/V and queries → compress, tracked independently in numpy (layer by
+    layer, or all layers in one group)."""
     rng = seeded_rng()
     hkv, hq, rounds = 2, 2 * group, 4
     cfg = ScoringConfig(window=WINDOW, sink_tokens=1, redundancy="lightning")
@@ -352,7 +358,8 @@ def test_consecutive_compressions_carry_the_kept_history(group):
                                        cfg, PAGE)
         got = device_scores(kdev, sdev, qcache, batch, cfg)
         assert_scores_close(got[row, :, :, :n], want)
-        kdev, vdev, sdev = jitted_compress(cfg)(kdev, vdev, sdev, jnp.asarray(qcache), device_batch(batch))
+        kdev, vdev, sdev = jitted_compress(cfg, max_pages)(kdev, vdev, sdev, jnp.asarray(qcache),
+                                                           device_batch(batch))
         kept = np.stack([[np_top_k(got[row, layer, h], keep) for h in range(hkv)] for layer in range(LAYERS)])
         keys = np.take_along_axis(keys, kept[..., None], axis=2)
         values = np.take_along_axis(values, kept[..., None], axis=2)
@@ -401,3 +408,16 @@ def test_compress_rejects_bad_shapes():
     wide = dict(batch, dst_tables=batch["src_tables"])
     with pytest.raises(ValueError, match="dst_tables"):
         compress(*args, jnp.asarray(query_cache), device_batch(wide), DEFAULT, SCALE, REFERENCE)
+
+
+def test_layer_groups_divide_the_layers_within_the_reserved_pages():
+    """The most layers that divide the model's and fit the source pages the memory plan reserved; one layer when
+    even that is over (a wide first compression), or with no reservation."""
+    assert layer_group(36, rows=1, width=9, max_pages=576) == 36
+    assert layer_group(36, rows=4, width=9, max_pages=576) == 12  # 16 would fit, but does not divide 36
+    assert layer_group(36, rows=16, width=9, max_pages=576) == 4
+    assert layer_group(36, rows=64, width=9, max_pages=576) == 1
+    assert layer_group(36, rows=1, width=128, max_pages=576) == 4
+    assert layer_group(36, rows=1, width=1024, max_pages=576) == 1
+    assert layer_group(36, rows=1, width=9, max_pages=None) == 1
+    assert layer_group(28, rows=2, width=9, max_pages=576) == 28

@@ -71,7 +71,8 @@ def interpreted_kernel_backend(window_scores_fn=window_scores):
 
 
 def test_compress_with_the_kernel_equals_jnp():
-    """Scores and compacted caches through the kernel backend equal the jnp path (default knobs, GQA)."""
+    """Scores and compacted caches through the kernel backend, all layers in one group, equal the jnp path layer by
+    layer (default knobs, GQA)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     page, budget, window, hkv, group, dim = 16, 2, 8, 2, 4, 64
@@ -96,10 +97,39 @@ def test_compress_with_the_kernel_equals_jnp():
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
     run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, batch, cfg, scale)
-    (k_got, v_got, s_got), (k_want, v_want, s_want) = run(backend=kernel_backend), run(backend=REFERENCE)
+    # the kernels with every layer's rows in one call (each row its own layer) against the jnp path layer by layer
+    assert layers > 1
+    k_got, v_got, s_got = run(backend=kernel_backend, max_pages=layers * tables.size)
+    k_want, v_want, s_want = run(backend=REFERENCE)
     np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"seed {seed}")  # same kept set
     np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"seed {seed}")
     np.testing.assert_allclose(np.asarray(s_got), np.asarray(s_want), rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (jax.default_backend() == "gpu" and float(jax.devices()[0].compute_capability) >= 9.0),
+                    reason="needs a Hopper (or newer) NVIDIA GPU")
+def test_compiled_kernels_compress_every_layer_at_once_as_layer_by_layer():
+    """On the card, the mosaic backend with every layer's rows in one call of each kernel leaves the pools and score
+    cache exactly as layer by layer does (each row is computed alone), at Qwen3-8B's head shapes."""
+    rng = seeded_rng()
+    page, budget, window, hkv, group, dim, layers = 64, 4, 16, 8, 4, 128, 6
+    num_src = np.array([5, 5, 9, 5])  # the steady width M+1 and a wider first compression
+    k_pool, tables, _, _ = random_problem(rng, list(num_src * page), 9, group, window, page, dim, num_kv_heads=hkv,
+                                          layers=layers)
+    v_pool = jnp.asarray(rng.standard_normal(k_pool.shape), jnp.bfloat16)
+    score_cache = jnp.asarray(rng.uniform(0, 0.1, k_pool.shape[:4]), jnp.float32)
+    query_cache = jnp.asarray(rng.standard_normal((layers, 4, window, hkv * group, dim)), jnp.bfloat16)
+    batch = CompressionBatch(src_tables=tables, num_src_pages=jnp.asarray(num_src, jnp.int32),
+                             dst_tables=tables[:, :budget], query_rows=jnp.arange(4, dtype=jnp.int32),
+                             logical_lens=jnp.asarray(num_src * page + 7, jnp.int32),
+                             compressed_before=jnp.asarray([True, False, False, True]),
+                             valid=jnp.asarray([True, True, True, False]))
+    run = functools.partial(compress, k_pool, v_pool, score_cache, query_cache, batch, ScoringConfig(window=window),
+                            dim ** -0.5, resolve_backend("mosaic"))
+    together, apart = run(max_pages=layers * tables.size), run()
+    for a, b in zip(together, apart):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_backends_declare_their_compression_kernels():

@@ -31,7 +31,7 @@ from zipage_jax.benchmarks.model_shapes import MODEL_SHAPES
 from zipage_jax.compression.compaction import compact_slots as xla_compact_slots
 from zipage_jax.compression.scoring import paged_window_attention, redundancy_row_sums
 from zipage_jax.compression.selection import select_slots, sorted_threshold
-from zipage_jax.compression.step import CompressionBatch, compress
+from zipage_jax.compression.step import CompressionBatch, compress, layer_group
 from zipage_jax.config import ScoringConfig
 from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
 from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
@@ -148,13 +148,19 @@ def bench_compression(args):
     # the kernels' tuning variants are GPU timings: interpreted, each costs CI seconds and checks nothing the kernel
     # tests do not (they run every option against the oracle)
     tuning = not args.interpret
-    variants = {"kernel": (kernel_backend, cfg), "jnp": (REFERENCE, cfg)}
+    # the engine groups layers within the source pages its memory plan reserves (by default 64 rows at the steady
+    # width: ``kv_cache.plan_memory``); "*_layer_by_layer" is the A/B of that grouping
+    grouped = 64 * (budget + 1)
+    variants = {"kernel": (kernel_backend, cfg, grouped), "jnp": (REFERENCE, cfg, grouped)}
     if tuning:
-        variants["kernel_no_redundancy"] = (kernel_backend, dataclasses.replace(cfg, redundancy="off"))
-        # the compaction of every dispatch through XLA (gather/scatter, all slots at once) or through the in-place
+        variants["kernel_layer_by_layer"] = (kernel_backend, cfg, None)
+        variants["kernel_no_redundancy"] = (kernel_backend, dataclasses.replace(cfg, redundancy="off"), grouped)
+        # the compaction of every call through XLA (gather/scatter, all slots at once) or through the in-place
         # kernel; "kernel" takes XLA up to XLA_COMPACTION_MAX_ROWS rows (``attention.compaction_by_rows``)
-        variants["kernel_xla_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=xla_compact_slots), cfg)
-        variants["kernel_mosaic_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=compact_slots), cfg)
+        variants["kernel_xla_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=xla_compact_slots), cfg,
+                                             grouped)
+        variants["kernel_mosaic_compaction"] = (dataclasses.replace(kernel_backend, compact_slots=compact_slots), cfg,
+                                                grouped)
     rows, params = [], None
     base = dict(kernel="compression", model_shape=args.comp_model_shape, budget=budget, page=page_size,
                 window=window, q_heads=hq, kv_heads=hkv, head_dim=head_dim, layers=num_layers)
@@ -280,17 +286,18 @@ def bench_compression(args):
             rows.append(record(dict(shape_row, part="compaction_one_layer", impl=name), measure, args.verbose))
 
         step_ms = {}
-        for name, (backend, scoring_cfg) in variants.items():
-            def measure(row, backend=backend, scoring_cfg=scoring_cfg, name=name):
-                step = jax.jit(functools.partial(compress, cfg=scoring_cfg, sm_scale=scale, backend=backend),
-                               donate_argnums=(0, 1, 2))
+        for name, (backend, scoring_cfg, max_pages) in variants.items():
+            def measure(row, backend=backend, scoring_cfg=scoring_cfg, max_pages=max_pages, name=name):
+                step = jax.jit(functools.partial(compress, cfg=scoring_cfg, sm_scale=scale, backend=backend,
+                                                 max_pages=max_pages), donate_argnums=(0, 1, 2))
                 state = (case["k_pool"], case["v_pool"], case["score_cache"])
                 compiled = step.lower(*state, case["query_cache"], plan).compile()
                 row["temp_bytes"] = temp_bytes(compiled)
                 sec, state = time_donated(compiled, state, args.comp_reps, case["query_cache"], plan)
                 case["k_pool"], case["v_pool"], case["score_cache"] = state
                 step_ms[name] = sec * 1e3
-                row.update(ms=sec * 1e3, redundancy=scoring_cfg.redundancy)
+                row.update(ms=sec * 1e3, redundancy=scoring_cfg.redundancy,
+                           layer_group=layer_group(num_layers, batch, plan.src_tables.shape[1], max_pages))
 
             rows.append(record(dict(shape_row, part="compress_step", impl=name), measure, args.verbose))
 

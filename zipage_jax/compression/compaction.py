@@ -7,20 +7,25 @@ into the request's own first pages).
 
 import jax.numpy as jnp
 
+from pallas_kernels.reference import row_layers
+
 
 def gather_slots(cache, layer, slots, tables):
-    """Values of ``cache [L, pages, Hkv, S, ...]`` at per-head slots ``slots [B, Hkv, K]`` of ``tables [B, P]``."""
+    """Values of ``cache [L, pages, Hkv, S, ...]`` at per-head slots ``slots [B, Hkv, K]`` of ``tables [B, P]``
+    (``layer``: one, or one per row ``[B]``)."""
     page_size = cache.shape[3]
     rows = jnp.arange(slots.shape[0])[:, None, None]
     heads = jnp.arange(slots.shape[1])[None, :, None]
-    return cache[layer, tables[rows, slots // page_size], heads, slots % page_size]  # [B, Hkv, K, ...]
+    layers = row_layers(layer, slots.shape[0])[:, None, None]
+    return cache[layers, tables[rows, slots // page_size], heads, slots % page_size]  # [B, Hkv, K, ...]
 
 
 def scatter_slots(cache, layer, values, dst_tables, valid):
-    """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]``.
+    """Write ``values [B, Hkv, K, ...]`` to slots ``0..K-1`` of ``dst_tables [B, K // S]`` of ``layer`` (one, or one
+    per row ``[B]``).
 
     Rows not ``valid`` write nothing at all (not even to the null page). The valid rows' dst pages must be
-    distinct (within and across rows; the page manager's own / copy-on-write pages are): every written
+    distinct within a layer (within and across rows; the page manager's own / copy-on-write pages are): every written
     (page, head, slot) is then unique, so the scatter is declared ``unique_indices`` (plain stores instead of
     GPU atomics). Invalid rows get distinct out-of-range pages, dropped, so they keep the indices unique.
     """
@@ -29,7 +34,8 @@ def scatter_slots(cache, layer, values, dst_tables, valid):
     spare = num_pages + jnp.arange(dst_tables.size, dtype=dst_tables.dtype).reshape(dst_tables.shape)
     pages = jnp.where(valid[:, None], dst_tables, spare)[:, slots // page_size]  # spare pages: out of range
     heads = jnp.arange(values.shape[1])[None, :, None]
-    return cache.at[layer, pages[:, None, :], heads, (slots % page_size)[None, None, :]].set(
+    layers = row_layers(layer, values.shape[0])[:, None, None]
+    return cache.at[layers, pages[:, None, :], heads, (slots % page_size)[None, None, :]].set(
         values.astype(cache.dtype), mode="drop", unique_indices=True
     )
 

@@ -1,7 +1,8 @@
 """One compression of a batch of requests over all layers: score, select, compact (docs/ARCHITECTURE.md, Compression).
 
-The caches ride in a ``fori_loop`` carry and each layer is addressed by index, so under donation the
-compaction is in place and the scratch is one layer's worth (see ``compress``).
+The caches ride in a ``fori_loop`` carry over groups of layers, each addressed by index, so under donation the
+compaction is in place and the scratch is one group's worth (see ``compress``). A group's (layer, request) pairs are
+the rows of one call of each kernel: a dispatch of a few requests still fills the card.
 """
 
 import flax.struct
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_quant import scale_queries
+from pallas_kernels.reference import row_layers
 from zipage_jax.compression.compaction import scatter_slots
 from zipage_jax.compression.scoring import paged_redundancy_scores, protect, recency_scores, zipage_scores
 from zipage_jax.compression.selection import select_slots
@@ -65,9 +67,9 @@ def _check(k_pool, score_cache, query_cache, batch, cfg, query_centres):
 
 def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend, query_centres=None,
                   kv_scales=None):
-    """Score one layer's requests from the caches: ``(final, G)``, each ``[B, Hkv, N]``. An FP8 pool's K scale
-    goes into the window queries (redundancy, a cosine, and the query-free scores, ranked per head, do not see a
-    per-head scale)."""
+    """Score the requests from the caches at ``layer`` (one, or one per row ``[B]``): ``(final, G)``, each
+    ``[B, Hkv, N]``. An FP8 pool's K scale goes into the window queries (redundancy, a cosine, and the query-free
+    scores, ranked per head, do not see a per-head scale)."""
     num_rows, num_pages_per_row = batch.src_tables.shape
     page_size, num_kv_heads = k_pool.shape[3], k_pool.shape[2]
     num_slots = num_pages_per_row * page_size
@@ -78,10 +80,11 @@ def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale,
         score = paged_trig_scores(k_pool, layer, batch.src_tables, query_centres, batch.logical_lens - 1)
         history = jnp.zeros_like(score)
     else:
+        layers = row_layers(layer, num_rows)
         ring = (batch.logical_lens[:, None] - cfg.window + jnp.arange(cfg.window)) % cfg.window
-        queries = query_cache[layer, batch.query_rows[:, None], ring]  # [B, W, Hq, D]
+        queries = query_cache[layers[:, None], batch.query_rows[:, None], ring]  # [B, W, Hq, D]
         if kv_scales is not None:
-            queries = scale_queries(queries, kv_scales[0, layer])
+            queries = scale_queries(queries, kv_scales[0, layers][:, None])
         attn = backend.window_scores(k_pool, layer, batch.src_tables, batch.num_src_pages * page_size, queries,
                                      sm_scale)
         redundancy = None
@@ -90,7 +93,7 @@ def _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale,
                                                  backend.lightning_row_sums)
         history = None
         if cfg.tracks_history:
-            history = score_cache[layer, batch.src_tables].transpose(0, 2, 1, 3).reshape(attn.shape)
+            history = score_cache[layers[:, None], batch.src_tables].transpose(0, 2, 1, 3).reshape(attn.shape)
         score, history = zipage_scores(attn, redundancy, history, batch.num_src_pages, batch.compressed_before,
                                        page_size, cfg)
     return protect(score, batch.num_src_pages, batch.valid, page_size, cfg), history
@@ -108,8 +111,21 @@ def slot_scores(k_pool, score_cache, query_cache, batch, cfg: ScoringConfig, sm_
     return per_layer.transpose(1, 0, 2, 3)
 
 
+def layer_group(num_layers: int, rows: int, width: int, max_pages: int | None) -> int:
+    """Layers compressed together: the most that divide ``num_layers`` with ``group * rows * width`` source pages
+    within ``max_pages`` (the scratch the memory plan reserved, for one layer of that many pages); 1 without it."""
+    if not max_pages:
+        return 1
+    return max(g for g in range(1, num_layers + 1) if num_layers % g == 0 and (g == 1 or g * rows * width <= max_pages))
+
+
+def _tiled(batch: CompressionBatch, group: int) -> CompressionBatch:
+    """The batch's rows once per layer of a group: row ``g * B + b`` is request ``b`` at the group's layer ``g``."""
+    return jax.tree.map(lambda x: jnp.tile(x, (group,) + (1,) * (x.ndim - 1)), batch)
+
+
 def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, cfg: ScoringConfig, sm_scale,
-             backend, query_centres=None, kv_scales=None):
+             backend, query_centres=None, kv_scales=None, max_pages: int | None = None):
     """Compress every valid request of ``batch``: per (layer, KV head) keep the top ``M * S`` slots.
 
     ``query_centres`` (``QueryCentres``) are what the "triattention" policy scores with (read by no other).
@@ -129,22 +145,31 @@ def compress(k_pool, v_pool, score_cache, query_cache, batch: CompressionBatch, 
     kept K and V ``2*B*Hkv*M*S*D*it`` (none with the compaction kernel: ``pallas_kernels.compaction``).
     Nothing scales with ``W * Hq * N``.
 
-    A device loop over the layers: unrolling them in the program was slower (``bench compression``), so a
-    dispatch's fixed cost is not the loop's.
+    A device loop over groups of layers (``layer_group``: as many as ``max_pages`` source pages allow, all 36 of
+    Qwen3-8B for a dispatch of one request at the steady width): each kernel runs once per group over its
+    (layer, request) rows. One layer at a time, a dispatch of a few requests left most of the card idle (a CTA per
+    request and head walking its slots) and its cost was fixed, 36 layers of four kernels whatever the rows.
+    The layers' work is independent, so the order changes no result.
     """
     _check(k_pool, score_cache, query_cache, batch, cfg, query_centres)
+    num_layers = k_pool.shape[0]
+    rows, width = batch.src_tables.shape
+    group = layer_group(num_layers, rows, width, max_pages)
     keep = batch.dst_tables.shape[1] * k_pool.shape[3]
+    tiled = _tiled(batch, group)
+    offsets = jnp.repeat(jnp.arange(group, dtype=jnp.int32), rows)  # each tiled row's layer within the group
 
-    def layer_step(layer, caches):
+    def group_step(i, caches):
         k_pool, v_pool, score_cache = caches
-        scores, history = _layer_scores(k_pool, score_cache, query_cache, batch, layer, cfg, sm_scale, backend,
+        layers = i * group + offsets
+        scores, history = _layer_scores(k_pool, score_cache, query_cache, tiled, layers, cfg, sm_scale, backend,
                                         query_centres, kv_scales)
-        kept = select_slots(scores, keep, backend.selection_threshold)  # [B, Hkv, keep]
-        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layer, kept, batch.src_tables, batch.dst_tables,
-                                               batch.valid)
+        kept = select_slots(scores, keep, backend.selection_threshold)  # [G * B, Hkv, keep]
+        k_pool, v_pool = backend.compact_slots(k_pool, v_pool, layers, kept, tiled.src_tables, tiled.dst_tables,
+                                               tiled.valid)
         if cfg.tracks_history:
             kept_history = jnp.take_along_axis(history, kept, axis=2)
-            score_cache = scatter_slots(score_cache, layer, kept_history, batch.dst_tables, batch.valid)
+            score_cache = scatter_slots(score_cache, layers, kept_history, tiled.dst_tables, tiled.valid)
         return k_pool, v_pool, score_cache
 
-    return jax.lax.fori_loop(0, k_pool.shape[0], layer_step, (k_pool, v_pool, score_cache))
+    return jax.lax.fori_loop(0, num_layers // group, group_step, (k_pool, v_pool, score_cache))

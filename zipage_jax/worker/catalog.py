@@ -99,7 +99,8 @@ class ProgramCatalog:
                              static_argnames=("spec",), donate_argnames=("state",))
         self._prompt_logprobs = jax.jit(functools.partial(steps.prompt_logprobs, model_cfg=model_cfg))
         self._compress = jax.jit(functools.partial(steps.compress_step, cfg=config.scoring,
-                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh),
+                                                   sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh,
+                                                   max_pages=plan.max_compression_pages),
                                  static_argnames=("spec",), donate_argnames=("state",))
         history = config.tracks_history
         self._swap_gather = jax.jit(functools.partial(steps.swap_gather, history=history))

@@ -65,7 +65,8 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
 def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool = False) -> int:
     """Upper estimate of the temporaries of one compression dispatch over ``pages`` (padded) source pages.
 
-    One layer at a time (see ``compression.step.compress``). The jnp / XLA path: the gathered keys, one window
+    ``pages`` counts every layer of a group compressed together (``compression.step.compress`` groups layers
+    within the reserved pages, so one layer of ``pages`` pages bounds any group). The jnp / XLA path: the gathered keys, one window
     query's logits, a handful of f32 score vectors, the redundancy similarities of one page against the rest,
     the kept K/V. ``fused`` (the Mosaic kernels: window scores, lightning redundancy, in-place compaction):
     only the score vectors and the kept slots' pool rows, plus the gathered keys and similarities of "full"

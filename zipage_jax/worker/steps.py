@@ -83,13 +83,14 @@ def prompt_logprobs(params, hidden, rows, targets, *, model_cfg):
     return token_logprobs(final_logits(params, model_cfg, hidden[rows]), targets, MAX_LOGPROBS)
 
 
-def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, mesh):
+def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, mesh, max_pages=None):
     """Under tensor parallelism each shard compresses its own KV heads (``shard_map``): a head's scores, selection
     and compaction read only that head and its query group, so the step needs no collective and the backend's
-    compression kernels run on one shard's heads."""
+    compression kernels run on one shard's heads. ``max_pages``: the source pages whose scratch the memory plan
+    reserved (``compress`` groups layers within it)."""
     def run(k_pool, v_pool, score_cache, query_cache, batch, centres, kv_scales):
         return compress(k_pool, v_pool, score_cache, query_cache, batch, cfg, sm_scale, backend=backend,
-                        query_centres=centres, kv_scales=kv_scales)
+                        query_centres=centres, kv_scales=kv_scales, max_pages=max_pages)
 
     scales = fp8_scales(state)
     if mesh.size > 1:
