@@ -274,17 +274,18 @@ def test_aged_start_enters_the_loop_mid_trace():
         bench.main(["throughput", "--small", "--aged-start", "--workload", "reasoning"])
 
 
-def test_the_initial_prefill_ends_when_none_is_mid_prefill_at_the_typical_concurrency():
+def test_the_initial_prefill_ends_when_every_aged_request_was_through_its_prompt():
     """Samples each second: admission prefills a few long contexts at a time; at t=3 none is mid-prefill while
-    admission waits for pages (4 running of a typical 10): not the end; at t=6 the loop runs 10, none prefilling."""
-    prefilling = [0, 3, 2, 0, 2, 1, 0, 0, 1, 0, 0, 0]
-    running = [0, 3, 4, 4, 7, 9, 10, 10, 10, 10, 9, 10]
-    samples = [dict(time_s=float(t), num_prefilling=p, num_running=r)
-               for t, (p, r) in enumerate(zip(prefilling, running))]
-    assert closed_loop.prefill_over_s(samples) == 6.0
-    assert closed_loop.prefill_over_s(samples, share=0.3) == 3.0
-    assert closed_loop.prefill_over_s(samples[:1]) is None  # nothing was ever prefilled
-    assert closed_loop.prefill_over_s(samples[:6]) is None  # still ramping (typical 7: 4 and 9 at t=3 and 5)
+    admission waits for pages, and at t=5 the loop runs near its typical 10, but aged requests still wait: the
+    initial prefill ends at t=7, when the last aged request is through its prompt (a fresh one may be mid-prefill)."""
+    prefilling = [0, 3, 2, 0, 2, 1, 1, 1, 1, 0]
+    running = [0, 3, 4, 4, 7, 9, 10, 10, 10, 10]
+    unprefilled = [10, 7, 5, 5, 3, 2, 1, 0, 0, 0]
+    samples = [dict(time_s=float(t), num_prefilling=p, num_running=r, num_aged_unprefilled=u)
+               for t, (p, r, u) in enumerate(zip(prefilling, running, unprefilled))]
+    assert closed_loop.prefill_over_s(samples) == 7.0
+    assert closed_loop.prefill_over_s(samples, end_s=6.0) is None  # the loop stopped adding before it ended
+    assert closed_loop.prefill_over_s(samples[:7]) is None
 
 
 def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
@@ -295,8 +296,8 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         history, w = r["history"], r["steady"]
         busy = next(i for i, h in enumerate(history) if h["num_prefilling"])
         assert r["aged_start"] and r["prefilled_s"] == w["start_s"] > history[busy]["time_s"]
-        start = next(h for h in history if h["time_s"] == w["start_s"])
-        assert start["num_prefilling"] == 0
+        start = next(i for i, h in enumerate(history) if h["time_s"] == w["start_s"])
+        assert history[start]["num_aged_unprefilled"] == 0 < history[start - 1]["num_aged_unprefilled"]
         # the window's compression share splits off the first compressions of the aged (wide) contexts
         assert 0 <= w["compression_time_share_at_budget"] <= w["compression_time_share"]
         wide = [d for d in r["compression_dispatches"] if d["width"] > d["budget"] + 1]

@@ -133,6 +133,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     engine.add_step_observer(note_step)
     for _ in range(min(concurrency or len(queue), len(queue))):
         add_next()
+    unprefilled = list(requests[:residents or 0])  # aged requests not yet through their prompt once
     loop_end_s = None if queue else 0.0  # when the closed loop stopped adding (the workload ran out)
 
     def generated():
@@ -164,6 +165,9 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         occupancy_sum += used / pages
         peak_occupancy = max(peak_occupancy, used / pages)
         stalled += scheduler.num_stalled
+        if unprefilled:
+            unprefilled = [r for r in unprefilled
+                           if not r.status.finished and r.num_computed_tokens < len(r.prompt_token_ids)]
         if engine.meter.totals["decode_tokens"] > decoded:  # a decode step was read back: it read the weights and KV
             decode_steps += 1
             bytes_read += step_weight_bytes + used * page_bytes
@@ -180,7 +184,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
                 kv_tokens_per_running_mean=float(np.mean([r.num_physical_tokens for r in scheduler.running]))
                 if scheduler.running else 0.0,
                 pages_per_running_max=max(held, default=0), num_preemptions=scheduler.num_preemptions,
-                num_swaps=scheduler.num_swaps, **compressing(), num_prefilling=prefilling, bytes_read=bytes_read))
+                num_swaps=scheduler.num_swaps, **compressing(), num_prefilling=prefilling,
+                num_aged_unprefilled=len(unprefilled), bytes_read=bytes_read))
         if time.perf_counter() >= stop:
             break
     engine.drain(only_finished=True)  # the steps in flight when generation stopped

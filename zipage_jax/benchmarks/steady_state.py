@@ -30,19 +30,13 @@ def steady_window(samples, skip_tokens: int, end_s: float | None = None,
     return dict(start_s=t0, end_s=t1, tokens=g1 - g0, tokens_per_s=(g1 - g0) / (t1 - t0))
 
 
-def prefill_over_s(samples, end_s: float | None = None, share: float = 0.8) -> float | None:
-    """When an aged start's initial prefill is over, from the samples (``num_prefilling``, ``num_running``): the
-    first sample, after one with a request mid-prefill, at which none is and the engine runs at least ``share`` of
-    its typical concurrency (the median running count over the second half of the samples up to ``end_s``). A
-    pause in the prefill while admission waits for pages (compressed mode prefills the long contexts a few at a
-    time, each compressed before the next fits) is not the end of the ramp. None: it never ended."""
-    loop = [h for h in samples if end_s is None or h["time_s"] <= end_s]
-    busy = next((i for i, h in enumerate(loop) if h["num_prefilling"]), None)
-    if busy is None:
-        return None
-    typical = float(np.median([h["num_running"] for h in loop[len(loop) // 2:]]))
-    return next((h["time_s"] for h in loop[busy:]
-                 if h["num_prefilling"] == 0 and h["num_running"] >= share * typical), None)
+def prefill_over_s(samples, end_s: float | None = None) -> float | None:
+    """When an aged start's initial prefill is over: the first sample (up to ``end_s``) at which every aged request
+    has been through its prompt (the trace so far) once, or has finished (``num_aged_unprefilled`` 0). Admission
+    prefills the long contexts a few at a time (compressed mode compresses each before the next fits), so a pause
+    with none mid-prefill, or a running count near its typical one, is not yet the end. None: it never ended."""
+    return next((h["time_s"] for h in samples
+                 if (end_s is None or h["time_s"] <= end_s) and h.get("num_aged_unprefilled") == 0), None)
 
 
 def _drift_per_min(times, values) -> float | None:
