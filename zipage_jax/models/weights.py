@@ -298,7 +298,7 @@ def init_random_serving_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloa
     ``init_random_params``'s): the device holds the weights and one layer's noise at most, never a stacked copy
     beside the serving one, so an engine can make them after placing a pool sized for one copy."""
     top = _random_top(cfg, key, jnp.dtype(dtype), std)
-    layers = tuple(_random_serving_layer(cfg, _layer_key(cfg, key, i), jnp.dtype(dtype), shards, std)
+    layers = tuple(_random_serving_layer(cfg, _layer_key(key, i), jnp.dtype(dtype), shards, std)
                    for i in range(cfg.num_layers))
     return ServingParams(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"),
                          shards=shards)
@@ -309,7 +309,7 @@ def init_random_serving_params_stacked(cfg: ModelConfig, key: jax.Array, dtype=j
     """``init_random_serving_params``'s values in the stacked layout: an oracle's copy (``forward_dense``) of the
     weights an engine made for itself."""
     dtype = jnp.dtype(dtype)
-    per_layer = [_random_layer(cfg, _layer_key(cfg, key, i), dtype, std) for i in range(cfg.num_layers)]
+    per_layer = [_random_layer(cfg, _layer_key(key, i), dtype, std) for i in range(cfg.num_layers)]
     layers = {name: jnp.concatenate([layer[name] for layer in per_layer]) for name in per_layer[0]}
     return params_from_flat({**_random_top(cfg, key, dtype, std), **layers})
 
@@ -320,7 +320,7 @@ def _random_top(cfg: ModelConfig, key, dtype, std: float) -> dict:
             for name in WEIGHTS if shapes[name] is not None and not name.startswith("layers.")}
 
 
-def _layer_key(cfg: ModelConfig, key, i: int):
+def _layer_key(key, i: int):
     return jax.random.fold_in(key, len(WEIGHTS) + i)
 
 

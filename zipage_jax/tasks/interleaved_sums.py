@@ -18,11 +18,10 @@ Splits are fixed by a hash of the problem, so train and test never overlap for a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
-from zipage_jax.tasks.repeated_addition import SPLITS, TEST_FRACTION_INV, boxed_answer, reversed_digits
+from zipage_jax.tasks.repeated_addition import boxed_answer, check_sample_request, reversed_digits, split_of
 
 A_DIGITS = 5
 B_MIN, B_MAX = 16, 30
@@ -56,8 +55,7 @@ class InterleavedProblem:
 
     @property
     def split(self) -> str:
-        digest = hashlib.blake2b(self.question.encode(), digest_size=8).digest()
-        return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
+        return split_of(self.question)
 
     def lines(self) -> list[tuple[str, int]]:
         """(name, k) of every scratchpad line in order: blocks of BLOCK lines, X first, then whichever is left."""
@@ -102,10 +100,7 @@ class InterleavedProblem:
 
 def sample_problems(n: int, seed: int, split: str) -> list[InterleavedProblem]:
     """`n` problems of `split`, drawn deterministically from `seed` (duplicates possible, as in i.i.d. data)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    check_sample_request(n, split)
     rng = np.random.default_rng(seed)
     problems: list[InterleavedProblem] = []
     while len(problems) < n:

@@ -51,8 +51,7 @@ class Problem:
 
     @property
     def split(self) -> str:
-        digest = hashlib.blake2b(f"{self.a}*{self.b}".encode(), digest_size=8).digest()
-        return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
+        return split_of(f"{self.a}*{self.b}")
 
     @property
     def conclusion(self) -> str:
@@ -72,12 +71,23 @@ def reversed_digits(value: int) -> str:
     return str(value).zfill(SUM_DIGITS)[::-1]
 
 
-def sample_problems(n: int, seed: int, split: str) -> list[Problem]:
-    """`n` problems of `split`, drawn deterministically from `seed` (duplicates possible, as in i.i.d. data)."""
+def split_of(key: str) -> str:
+    """The split a problem belongs to, by a hash of ``key`` (its question): one in ``TEST_FRACTION_INV`` is test."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
+
+
+def check_sample_request(n: int, split: str):
+    """The arguments every task's ``sample_problems`` takes: ``n >= 0`` problems of one of ``SPLITS``."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+
+
+def sample_problems(n: int, seed: int, split: str) -> list[Problem]:
+    """`n` problems of `split`, drawn deterministically from `seed` (duplicates possible, as in i.i.d. data)."""
+    check_sample_request(n, split)
     rng = np.random.default_rng(seed)
     problems: list[Problem] = []
     while len(problems) < n:

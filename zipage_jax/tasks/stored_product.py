@@ -19,11 +19,10 @@ Splits are fixed by a hash of the problem, so train and test never overlap for a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
-from zipage_jax.tasks.repeated_addition import SPLITS, TEST_FRACTION_INV, boxed_answer, reversed_digits
+from zipage_jax.tasks.repeated_addition import boxed_answer, check_sample_request, reversed_digits, split_of
 
 A_DIGITS = 5
 B_MIN, B_MAX = 4, 8
@@ -63,8 +62,7 @@ class StoredProblem:
 
     @property
     def split(self) -> str:
-        digest = hashlib.blake2b(self.question.encode(), digest_size=8).digest()
-        return "test" if int.from_bytes(digest, "little") % TEST_FRACTION_INV == 0 else "train"
+        return split_of(self.question)
 
     def check(self, text: str) -> bool:
         """Whether `text` ends in the right boxed answer (what the eval's exact boxed match decides too)."""
@@ -93,10 +91,7 @@ def sample_problems(n: int, seed: int, split: str) -> list[StoredProblem]:
     """`n` problems of `split`, drawn deterministically from `seed` (duplicates possible, as in i.i.d. data).
     Problems where C divides P, or P is written in the question, are redrawn: P's digits then appear nowhere
     but in its own lines."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    check_sample_request(n, split)
     rng = np.random.default_rng(seed)
     problems: list[StoredProblem] = []
     while len(problems) < n:
