@@ -35,6 +35,7 @@ from zipage_jax.compression.step import CompressionBatch, compress, layer_group
 from zipage_jax.config import ScoringConfig
 from zipage_jax.layers.attention import REFERENCE, AttentionBackend, resolve_backend
 from zipage_jax.models import PagedBatch, forward_paged, to_serving, weights
+from zipage_jax.worker import kv_cache
 
 __all__ = ["MAX_REL_ERR", "main"]
 
@@ -148,9 +149,9 @@ def bench_compression(args):
     # the kernels' tuning variants are GPU timings: interpreted, each costs CI seconds and checks nothing the kernel
     # tests do not (they run every option against the oracle)
     tuning = not args.interpret
-    # the engine groups layers within the source pages its memory plan reserves (by default 64 rows at the steady
-    # width: ``kv_cache.plan_memory``); "*_layer_by_layer" is the A/B of that grouping
-    grouped = 64 * (budget + 1)
+    # the engine groups layers within the source pages its memory plan reserves (by default COMPRESSION_ROWS rows
+    # at the steady width: ``kv_cache.plan_memory``); "*_layer_by_layer" is the A/B of that grouping
+    grouped = kv_cache.COMPRESSION_ROWS * (budget + 1)
     variants = {"kernel": (kernel_backend, cfg, grouped), "jnp": (REFERENCE, cfg, grouped)}
     if tuning:
         variants["kernel_layer_by_layer"] = (kernel_backend, cfg, None)

@@ -62,12 +62,15 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     return int(max(prefill, decode))
 
 
+COMPRESSION_ROWS = 64  # rows of the widest steady-state dispatch whose scratch is reserved by default
+
+
 def compression_scratch_bytes(model_cfg, config, dtype, pages: int, fused: bool = False) -> int:
     """Upper estimate of the temporaries of one compression dispatch over ``pages`` (padded) source pages.
 
     ``pages`` counts every layer of a group compressed together (``compression.step.compress`` groups layers
-    within the reserved pages, so one layer of ``pages`` pages bounds any group). The jnp / XLA path: the gathered keys, one window
-    query's logits, a handful of f32 score vectors, the redundancy similarities of one page against the rest,
+    within the reserved pages, so one layer of ``pages`` pages bounds any group). The jnp / XLA path: the gathered
+    keys, one window query's logits, a handful of f32 score vectors, the redundancy similarities of one page against the rest,
     the kept K/V. ``fused`` (the Mosaic kernels: window scores, lightning redundancy, in-place compaction):
     only the score vectors and the kept slots' pool rows, plus the gathered keys and similarities of "full"
     redundancy, which stays jnp, and the kept K/V of the small dispatches that compact through XLA
@@ -113,7 +116,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.compression else 0
     max_comp = 0
     if config.compression:
-        max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, 64) * (M + 1))
+        max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, COMPRESSION_ROWS) * (M + 1))
         if max_comp < pages_per_seq:
             raise ValueError(f"max_compression_pages: {max_comp} cannot hold the {pages_per_seq} pages of one "
                              f"request of max_model_len={max_model_len}")
