@@ -8,6 +8,7 @@ flight and turns /health to 503."""
 import itertools
 import json
 import pickle
+import signal
 import statistics
 import threading
 import time
@@ -223,3 +224,30 @@ def test_a_lost_engine_process_fails_what_is_in_flight_and_health_says_so(live):
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=model, prompt="x", max_tokens=2)
     assert err.value.status_code == 503
+
+
+def test_a_ctrl_c_another_thread_takes_while_the_engine_process_starts_waits_for_the_start():
+    """The SIGINT mask is per thread: a Ctrl-C delivered to another thread of the server must still not interrupt
+    the main thread while it hands the engine process its start-up data; it is raised once the start is over."""
+    from zipage_jax.engine.core_client import _sigint_blocked
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    go, reached = threading.Event(), []
+
+    def ctrl_c():  # a thread started before the block: SIGINT is not blocked in it
+        go.wait()
+        signal.raise_signal(signal.SIGINT)
+
+    thread = threading.Thread(target=ctrl_c)
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _sigint_blocked():
+                go.set()
+                thread.join()
+                for _ in range(1000):  # bytecode boundaries, where a pending Python handler runs
+                    pass
+                reached.append(True)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert reached == [True]

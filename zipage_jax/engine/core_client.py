@@ -146,12 +146,22 @@ class ProcessCore:
 def _sigint_blocked():
     """SIGINT blocked while a child process starts: the child inherits the blocked mask through exec (a Ctrl-C
     during its imports, before it ignores SIGINT itself, never reaches it), and this process gets a Ctrl-C that
-    came meanwhile once the block ends."""
+    came meanwhile once the block ends. The mask is the calling thread's only: a Ctrl-C that another thread of this
+    process takes would still raise in the main thread, in the middle of handing the child its start-up data (the
+    child then dies on a truncated pipe with a traceback), so the main thread's handler also waits until the end."""
+    caught = []
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _child_main(commands, events, model: str, options: dict, warmup: bool, log_level: str, ready_early: bool):
