@@ -71,8 +71,10 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     pages that are read. Returns the unnormalised f32 accumulator and the row max / row sum (base 2).
 
     An FP8 pool (``kv_quant``: its scales are applied outside) is fetched into 8-bit staging buffers, half the
-    bytes; each block is upcast (exactly) into one 16-bit K and one V buffer that the wgmmas read (8-bit wgmma
-    operands must be K-major, which V is not).
+    bytes; each block is upcast (exactly) into one 16-bit buffer that the wgmmas read (8-bit wgmma operands must
+    be K-major, which V is not). K and V take turns in it: reading a wgmma's accumulator waits for the wgmma, so
+    K's block is done with before V's is written, and the shared memory saved keeps two CTAs on an SM at more
+    stages (more bytes in flight: an 8-bit block carries half of a 16-bit one's).
     """
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -96,12 +98,12 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     fp8 = is_fp8(k_ref.dtype)
 
     def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
-        def block(smem, slot, which):  # the wgmma operand of a staged block
+        def block(smem, slot):  # the wgmma operand of a staged block
             if not fp8:
                 return smem.at[slot]
-            wide[which][...] = upcast(plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), dtype)
+            wide[0][...] = upcast(plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), dtype)
             plgpu.commit_smem()
-            return wide[which]
+            return wide[0]
 
         for s in range(num_stages):
             @pl.when(s < num_blocks)
@@ -117,7 +119,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             acc, m_i, l_i = carry
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            k_block = block(k_smem, slot, 0)
+            k_block = block(k_smem, slot)
 
             def qk_fn(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_block.T)
@@ -137,7 +139,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
-            v_block = block(v_smem, slot, 1)
+            v_block = block(v_smem, slot)
 
             def pv_fn(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_block)
@@ -157,7 +159,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     copies = pages_per_block if block_kv > page_size else 1
     if fp8:
         kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
-        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * 2
+        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),)
     else:
         kv_buf, wide = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled()), ()
     return pl.run_scoped(

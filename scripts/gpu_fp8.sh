@@ -6,7 +6,8 @@
 #       the upcast in shared memory: decode, window scores, lightning redundancy, compaction) against their jnp
 #       references, then the 16-bit kernel tests, unchanged
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh bandwidth   # decode kernel GB/s over bytes actually read, bf16 then e4m3
-#       pools, B = 64 / 256, ctx 4096 / 8192, page 256 (done: FP8 >= 80 % of bf16's GB/s)
+#       pools, B = 64 / 256, ctx 4096 / 8192, page 256 (done: FP8 >= 80 % of bf16's GB/s); FP8 also at
+#       FP8_VARIANTS (block_kv:stages:splits, default 64:3:0,64:4:0,128:2:0)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh compressed  # the paper's regime (gpu_long_reasoning.sh), compressed mode,
 #       bf16 pages then e4m3 pages, each its own process and the same pool bytes (--gpu-memory-utilization 0.9:
 #       the FP8 pool holds twice the pages) (done: FP8 steady tok/s >= 1.4x)
@@ -38,9 +39,11 @@ case "${1:-kernels}" in
       tests/test_scoring_kernel.py tests/test_redundancy_kernel.py tests/test_compaction_kernel.py 2>&1 \
       | tee "$OUT/kernels.log" | tail -20 ;;
   bandwidth)
-    for dtype in bfloat16 float8_e4m3fn; do
+    for dtype in bfloat16 float8_e4m3fn; do  # FP8 also at more stages / wider blocks: half the bytes a block
+      variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-64:3:0,64:4:0,128:2:0}")
       timeout 270 python3 -m pallas_kernels.bench --sections decode --kv-dtype "$dtype" --page 256 --ctx 4096,8192 \
-        --batch 64,256 --json "$OUT/decode_$dtype.json" 2>&1 | tee "$OUT/decode_$dtype.log" | grep -v '^{'
+        --batch 64,256 --variants "$variants" --json "$OUT/decode_$dtype.json" 2>&1 | tee "$OUT/decode_$dtype.log" \
+        | grep -v '^{'
     done ;;
   compressed)
     long_reasoning compressed auto "$SEQS"
