@@ -116,14 +116,22 @@ def baseline_layouts(k_pool, v_pool, layer, tables):
         v_dense=jnp.swapaxes(gather_request_kv(v_pool, layer, tables), 1, 2))
 
 
+def decode_variants(specs) -> dict:
+    """Specs -> row name -> keyword arguments of ``paged_decode``: ``mosaic`` (its defaults), then per spec
+    ``block_kv:stages:splits`` (splits 0: automatic), optionally ``:<fp8_staging>``."""
+    variants = {"mosaic": {}}
+    for spec in specs:
+        block_kv, stages, splits, *staging = spec.split(":")
+        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "".join(f"_{x}" for x in staging)] = dict(
+            block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None,
+            **({"fp8_staging": staging[0]} if staging else {}))
+    return variants
+
+
 def bench_decode(args):
     num_q_heads, num_kv_heads, head_dim, layer = args.q_heads, args.kv_heads, args.head_dim, 1
     scale = head_dim ** -0.5
-    variants = {"mosaic": {}}
-    for spec in args.variants:
-        block_kv, stages, splits = (int(x) for x in spec.split(":"))
-        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}"] = dict(
-            block_kv=block_kv, num_stages=stages, num_splits=splits or None)
+    variants = decode_variants(args.variants)
     rows = []
     key = jax.random.key(0)
     deadline = time.monotonic() + args.time_budget
@@ -359,7 +367,8 @@ def main(argv=None):
                         help="decode: the pool's dtype (FP8: the Mosaic kernel and the reference only; GB/s count "
                              "the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra decode configs block_kv:stages:splits (splits 0 = automatic), comma separated")
+                        help="extra decode configs block_kv:stages:splits[:fp8_staging] (splits 0 = automatic; "
+                             "fp8_staging plain or swizzled), comma separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")

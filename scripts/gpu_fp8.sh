@@ -7,28 +7,29 @@
 #       references, then the 16-bit kernel tests, unchanged
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh bandwidth   # decode kernel GB/s over bytes actually read, bf16 then e4m3
 #       pools, B = 64 / 256, ctx 4096 / 8192, page 256 (done: FP8 >= 80 % of bf16's GB/s); FP8 also at
-#       FP8_VARIANTS (block_kv:stages:splits, default 64:3:0,64:4:0,128:2:0)
+#       FP8_VARIANTS (block_kv:stages:splits[:fp8_staging], default 64:2:0:swizzled,64:4:0:swizzled: the swizzled
+#       staging, at 2 and 4 stages)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh compressed  # the paper's regime (gpu_long_reasoning.sh), compressed mode,
 #       bf16 pages then e4m3 pages, each its own process and the same pool bytes (--gpu-memory-utilization 0.9:
 #       the FP8 pool holds twice the pages) (done: FP8 steady tok/s >= 1.4x)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh full        # the same for full KV (done: >= 1.3x)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh plan        # the memory plans side by side: pages, concurrency (README table)
 # SEQS as in gpu_long_reasoning.sh (384 on an H200, 192 on an 80 GB card); FP8_SEQS (default 2 x SEQS) is the
-# closed loop of the FP8 runs, whose pool holds about twice the requests. BUDGET: seconds per run (default 260:
-# two runs a call).
+# closed loop of the FP8 runs, whose pool holds about twice the requests. BUDGET / FP8_BUDGET: seconds of the bf16 /
+# FP8 run. Full KV: 260 each (its window opens within ~15 s). Compressed: 210 / 340 (its window opens once every
+# aged request is through its prompt: ~100 s into bf16's generation on an H100, and the FP8 pool ages ~twice the
+# requests; 255 each left FP8 no window, 2026-12-07).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/card.txt"
 memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 SEQS=${SEQS:-$([ "${memory_mib:-0}" -gt 100000 ] && echo 384 || echo 192)}
 FP8_SEQS=${FP8_SEQS:-$((2 * SEQS))}
-BUDGET=${BUDGET:-260}
-
-long_reasoning() {  # mode kv_cache_dtype seqs
-  local mode=$1 dtype=$2 seqs=$3
-  timeout $((BUDGET + 30)) python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b \
+long_reasoning() {  # mode kv_cache_dtype seqs budget
+  local mode=$1 dtype=$2 seqs=$3 budget=$4
+  timeout $((budget + 30)) python3 -m zipage_jax.bench throughput --workload long-reasoning --model-shape qwen3-8b \
     --aged-start --max-num-batched-tokens 8192 --modes "$mode" --kv-cache-dtype "$dtype" \
-    --gpu-memory-utilization 0.9 --max-num-seqs "$seqs" --concurrency "$seqs" --time-budget "$BUDGET" \
+    --gpu-memory-utilization 0.9 --max-num-seqs "$seqs" --concurrency "$seqs" --time-budget "$budget" \
     --sample-interval-s 1 --json "$OUT/${mode}_$dtype.json" --png "$OUT/${mode}_$dtype.png" 2>&1 \
     | tee "$OUT/${mode}_$dtype.log" | tail -12
 }
@@ -40,17 +41,17 @@ case "${1:-kernels}" in
       | tee "$OUT/kernels.log" | tail -20 ;;
   bandwidth)
     for dtype in bfloat16 float8_e4m3fn; do  # FP8 also at more stages / wider blocks: half the bytes a block
-      variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-64:3:0,64:4:0,128:2:0}")
+      variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-64:2:0:swizzled,64:4:0:swizzled}")
       timeout 270 python3 -m pallas_kernels.bench --sections decode --kv-dtype "$dtype" --page 256 --ctx 4096,8192 \
         --batch 64,256 --variants "$variants" --json "$OUT/decode_$dtype.json" 2>&1 | tee "$OUT/decode_$dtype.log" \
         | grep -v '^{'
     done ;;
   compressed)
-    long_reasoning compressed auto "$SEQS"
-    long_reasoning compressed fp8 "$FP8_SEQS" ;;
+    long_reasoning compressed auto "$SEQS" "${BUDGET:-210}"
+    long_reasoning compressed fp8 "$FP8_SEQS" "${FP8_BUDGET:-340}" ;;
   full)
-    long_reasoning full auto "$SEQS"
-    long_reasoning full fp8 "$FP8_SEQS" ;;
+    long_reasoning full auto "$SEQS" "${BUDGET:-260}"
+    long_reasoning full fp8 "$FP8_SEQS" "${FP8_BUDGET:-260}" ;;
   plan)
     for dtype in auto fp8; do
       timeout 250 python3 -m zipage_jax.bench concurrency --model-shape qwen3-8b --kv-cache-dtype "$dtype" 2>&1 \

@@ -13,7 +13,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.bench import PREFILL_FORMS, prefill_lengths, prefill_variants
+from pallas_kernels.bench import PREFILL_FORMS, decode_variants, prefill_lengths, prefill_variants
 from pallas_kernels.paged_decode import merge_splits, paged_decode
 from pallas_kernels.ragged_prefill import (cta_item, cta_item_count, gqa_tiling, query_tiles,
                                            ragged_prefill, tile_span, warpgroup_runs)
@@ -215,6 +215,12 @@ def test_snake_order_evens_one_long_prompt():
     greedy = prefill_work.busiest_over_mean(blocks, num_ctas, "longest-first")
     assert busiest_over_mean(snake=True) < min(1.01, greedy + 0.01)
     assert busiest_over_mean(snake=False) > 1.05
+
+
+def test_bench_decode_rows_name_their_knobs():
+    rows = decode_variants(["128:3:0", "64:2:4:swizzled"])
+    assert rows == {"mosaic": {}, "mosaic_b128_s3_k0": dict(block_kv=128, num_stages=3, num_splits=None),
+                    "mosaic_b64_s2_k4_swizzled": dict(block_kv=64, num_stages=2, num_splits=4, fp8_staging="swizzled")}
 
 
 def test_bench_prefill_rows_switch_each_lever_off():
