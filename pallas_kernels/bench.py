@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.reference import gather_request_kv, masked_attention, paged_decode_ref, ragged_prefill_ref
@@ -248,9 +248,11 @@ def prefill_variants(specs) -> dict:
 def bench_prefill(args):
     """Causal prefill of whole prompts packed into one call, for each ``--prefill-cases`` spec (no cached prefix):
     the FlashAttention-3-structured kernel (and its variants), Triton, cuDNN
-    over dense padded copies (told each prompt's length) and, for one prompt, the XLA reference."""
+    over dense padded copies (told each prompt's length) and, for one prompt, the XLA reference. FP8 pools
+    (``--kv-dtype``): the Mosaic kernel over them, cuDNN over dense bf16 copies of their values."""
     num_q_heads, num_kv_heads, head_dim, layer = args.q_heads, args.kv_heads, args.head_dim, 1
     scale, page_size = head_dim ** -0.5, args.prefill_page
+    fp8 = is_fp8(args.kv_dtype)
     rows = []
     for spec in args.prefill_cases:
         lengths = prefill_lengths(spec)
@@ -260,8 +262,8 @@ def bench_prefill(args):
         key = jax.random.key(num_tokens)
         k_key, v_key, q_key, perm_key = jax.random.split(key, 4)
         shape = (2, int(pages.sum()) + 1, num_kv_heads, page_size, head_dim)
-        k_pool = jax.random.normal(k_key, shape, jnp.bfloat16)
-        v_pool = jax.random.normal(v_key, shape, jnp.bfloat16)
+        k_pool = jax.random.normal(k_key, shape, jnp.bfloat16).astype(args.kv_dtype)  # N(0, 1): in FP8's range
+        v_pool = jax.random.normal(v_key, shape, jnp.bfloat16).astype(args.kv_dtype)
         ids = np.asarray(jax.random.permutation(perm_key, int(pages.sum())) + 1)
         tables = np.zeros((num_requests, width), np.int32)
         tables[np.arange(width) < pages[:, None]] = ids  # each prompt's pages, shuffled; the rest: page 0
@@ -274,8 +276,8 @@ def bench_prefill(args):
         local = np.arange(num_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         q_pad = jnp.zeros((num_requests, width * page_size, num_q_heads, head_dim), q.dtype).at[owner, local].set(q)
         state = dict(k=k_pool, v=v_pool, tables=tables, lens=lens, cu=cu,
-                     k_dense=jnp.swapaxes(gather_request_kv(k_pool, layer, tables), 1, 2),
-                     v_dense=jnp.swapaxes(gather_request_kv(v_pool, layer, tables), 1, 2))
+                     k_dense=jnp.swapaxes(upcast(gather_request_kv(k_pool, layer, tables)), 1, 2),
+                     v_dense=jnp.swapaxes(upcast(gather_request_kv(v_pool, layer, tables)), 1, 2))
         flops = causal_flops(lengths, num_q_heads, head_dim)
 
         def packed(fn):
@@ -283,10 +285,10 @@ def bench_prefill(args):
 
         impls = {name: (packed(functools.partial(ragged_prefill, **kw)), q)
                  for name, kw in prefill_variants(args.prefill_variants).items()}
-        for name, cc in TRITON_TARGETS.items():
+        for name, cc in {} if fp8 else TRITON_TARGETS.items():  # Triton's kernel has no FP8 path
             impls[name] = (packed(lambda *a, cc=cc: triton_kernel("triton_prefill", "ragged_prefill")(
                 *a, compute_capability=cc)), q)
-        if num_requests == 1:
+        if num_requests == 1 and not fp8:
             impls["xla_ref"] = (packed(ragged_prefill_ref), q)
         impls["cudnn_dense"] = (lambda q, st: jax.nn.dot_product_attention(
             q, st["k_dense"], st["v_dense"], scale=scale, is_causal=True, query_seq_lengths=st["lens"],
@@ -295,7 +297,7 @@ def bench_prefill(args):
         for name, (fn, x) in impls.items():
             row = dict(kernel="prefill", impl=name, case=spec, batch=num_requests, ctx=int(lengths.max()),
                        tokens=num_tokens, page=page_size, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                       head_dim=head_dim)
+                       head_dim=head_dim, kv_dtype=jnp.dtype(args.kv_dtype).name)
 
             def measure(row, name=name, fn=fn, x=x):
                 out = jax.jit(fn)(x, state)
@@ -364,8 +366,8 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
-                        help="decode: the pool's dtype (FP8: the Mosaic kernel and the reference only; GB/s count "
-                             "the bytes read)")
+                        help="the pool's dtype (FP8: the Mosaic kernels, the decode reference and cuDNN's prefill "
+                             "over dense bf16 copies; GB/s count the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
                         help="extra decode configs block_kv:stages:splits[:fp8_staging] (splits 0 = automatic; "
                              "fp8_staging plain or swizzled), comma separated")

@@ -22,6 +22,12 @@ staging buffer, as TMA boxes cut (in power-of-two row counts) to the rows that a
 neighbouring requests' rows are never touched. The padding rows past ``cu_q_lens[R]`` are tiles with no KV:
 they write zeros.
 
+FP8 pools (``kv_quant``: unit-scale values, the scales applied outside) are fetched into 8-bit staging buffers, half
+the bytes of a 16-bit block, and each consumer warpgroup upcasts the block (exactly) into a 16-bit buffer of its
+own that its wgmmas read (8-bit wgmma operands must be K-major, which V is not): K's before ``q @ k^T``, V's
+while the other warpgroup's ``q @ k^T`` runs. K and V take turns in that buffer (K's scores are read before V is
+written), and the staging slot is released as soon as the block is in registers.
+
 Item order: the tiles, listed as cut (each request's last-first, its slabs side by side), are dealt in snake
 order: round ``k`` gives items ``[k num_ctas, (k + 1) num_ctas)`` to CTAs ``0, 1, ...`` when ``k`` is even and
 ``..., 1, 0`` when odd, so the CTA that got a round's largest item of a long prompt gets the next round's
@@ -41,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_quant import is_fp8, upcast
 from pallas_kernels.paged_decode import check_block_kv, swizzled
 
 ROW_ALIGN = 8  # rows of one tile of the swizzled shared-memory layout: query tiles start on multiples of it
@@ -72,8 +79,10 @@ def _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables):
         raise ValueError(f"cu_q_lens must be [R+1]={num_requests + 1}, got {cu_q_lens.shape}")
     if page_tables.ndim != 2 or page_tables.shape[0] != num_requests:
         raise ValueError(f"page_tables must be [R, P], got {page_tables.shape}")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pool.dtype != q.dtype:
-        raise ValueError(f"q and pools must share a 16-bit float dtype, got {q.dtype}, {k_pool.dtype}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pool.dtype != v_pool.dtype or (
+            k_pool.dtype != q.dtype and not is_fp8(k_pool.dtype)):
+        raise ValueError(f"q must be a 16-bit float and the pools q's dtype or FP8, got {q.dtype}, {k_pool.dtype}, "
+                         f"{v_pool.dtype}")
 
 
 def gqa_tiling(group):
@@ -197,7 +206,7 @@ class _Item:
 
 def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
                     k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
-                    v_consumed, schedule, p_smem=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
+                    v_consumed, schedule, p_smem=None, wide=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
                     snake, sm_scale, block_kv, narrow_keys, num_stages, page_size, p_in_registers):
     cta = lax.axis_index("c")
     wg = lax.axis_index("wg")
@@ -262,6 +271,10 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                 k_block, v_block = k_smem.at[slot], v_smem.at[slot]
                 if keys < block_kv:
                     k_block, v_block = k_block.at[pl.ds(0, keys)], v_block.at[pl.ds(0, keys)]
+                if wide is not None:  # FP8: this warpgroup's 16-bit copy of the block, the 8-bit slot released
+                    with jax.named_scope("upcast"):
+                        k_block = _upcast_block(k_block, wide.at[wg], keys)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, my_q, k_block.T)
@@ -270,7 +283,8 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
 
                 with jax.named_scope("qk"):
                     s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, keys), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                if wide is None:
+                    plgpu.barrier_arrive(k_consumed.at[slot])
                 with jax.named_scope("softmax"):
                     if masked:  # each row sees the slots up to its position
                         cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
@@ -287,6 +301,9 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                 with jax.named_scope("wait_v"):
                     plgpu.barrier_arrive(schedule)  # softmax done
                     plgpu.barrier_wait(v_bars.at[slot])
+                    if wide is not None:  # K's scores are read: V takes the buffer while the other's q @ k^T runs
+                        v_block = _upcast_block(v_block, wide.at[wg], keys)
+                        plgpu.barrier_arrive(v_consumed.at[slot])
                     plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
                 def wait_next_k():
@@ -312,7 +329,8 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                             return acc_ref[...]
 
                         acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
-                plgpu.barrier_arrive(v_consumed.at[slot])
+                if wide is None:
+                    plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
             carry = lax.fori_loop(0, it.unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
@@ -384,6 +402,17 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
             plgpu.barrier_wait(v_consumed.at[slot])
 
 
+def _upcast_block(staged, buffer, keys):
+    """The first ``keys`` rows of an 8-bit staged KV block, upcast into ``buffer`` (16 bits, swizzled for wgmma) in
+    64-row pieces (fewer live registers beside the accumulator); returns the wgmma operand."""
+    for piece in range(keys // WG_ROWS):
+        rows = pl.ds(piece * WG_ROWS, WG_ROWS)
+        raw = plgpu.load(staged.at[rows], layout=plgpu.Layout.WGMMA, optimized=False)
+        buffer.at[rows][...] = upcast(raw, buffer.dtype)
+    plgpu.commit_smem()
+    return buffer.at[pl.ds(0, keys)]
+
+
 def _store_rows(stage, o_ref, head, row0, t0, t1, stage_row0, first, end):
     """TMA-store the tile's own tokens ``[first, end)`` of the run holding tokens ``[t0, t1)`` of ``head`` (staged
     from row ``stage_row0``): the whole run at once, else in power-of-two row counts, so no other row is written."""
@@ -407,12 +436,13 @@ def _store_rows(stage, o_ref, head, row0, t0, t1, stage_row0, first, end):
             size //= 2
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, itemsize, p_in_registers, profile_space):
+def _smem_bytes(head_dim, block_kv, num_stages, itemsize, kv_itemsize, p_in_registers, profile_space):
     tiles = CONSUMERS * WG_ROWS * head_dim * 2  # query tiles and output staging
-    kv = 2 * num_stages * block_kv * head_dim
+    kv = 2 * num_stages * block_kv * head_dim * kv_itemsize
+    wide = CONSUMERS * block_kv * head_dim if kv_itemsize < itemsize else 0  # FP8: the upcast buffers
     p = 0 if p_in_registers else CONSUMERS * WG_ROWS * block_kv
     profile = (CONSUMERS + 1) * profile_space * 4 * 4  # a range: 2 events of 2 int32 entries, per warpgroup
-    return (tiles + kv + p) * itemsize + profile
+    return (tiles + wide + p) * itemsize + kv + profile
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_ctas", "item_order",
@@ -421,14 +451,15 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
                    num_stages=2, num_ctas=None, item_order="snake", half_diagonal=True, interpret=False,
                    profile_dir=None):
     """Causal attention of packed chunks ``q [T, Hq, D]`` over their requests' pages; same result as
-    ``ragged_prefill_ref``. ``num_ctas``: persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
+    ``ragged_prefill_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``). ``num_ctas``:
+    persistent CTAs (default: one per SM of the GPU, 4 elsewhere).
     ``item_order``: how the items are dealt to the CTAs, ``snake`` (the module docstring) or ``round_robin``
     (``cta, cta + num_ctas, ...``).
     ``half_diagonal``: with ``block_kv`` 128, an item's last block runs on its first 64 keys when no own token
     sees past them, else (and always with other block sizes) at full width.
     ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU; ``profile_dir``
     makes each call write a Mosaic GPU profiler trace there (Perfetto JSON; per warpgroup, the regions load_q,
-    qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
+    upcast (FP8), qk, softmax, wait_v, pv, store, load_kv of every CTA: profile small problems)."""
     _check_inputs(q, k_pool, v_pool, cu_q_lens, kv_lens, page_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -436,7 +467,9 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
     p_in_registers = not interpret  # interpret mode runs wgmma on shared-memory operands only
     # Profiler ranges per warpgroup: 4 a KV block for the consumers (2 for the producer), and a few more.
     profile_space = 4 * pl.cdiv(page_tables.shape[1] * page_size, block_kv) + 4 if profile_dir else 0
-    if _smem_bytes(head_dim, block_kv, num_stages, q.dtype.itemsize, p_in_registers, profile_space) > SMEM_BYTES:
+    fp8 = is_fp8(k_pool.dtype)
+    if _smem_bytes(head_dim, block_kv, num_stages, q.dtype.itemsize, k_pool.dtype.itemsize, p_in_registers,
+                   profile_space) > SMEM_BYTES:
         raise ValueError(f"block_kv {block_kv} x num_stages {num_stages} needs more shared memory than a CTA has")
     group = num_q_heads // num_kv_heads
     heads, tile_tokens = gqa_tiling(group)
@@ -464,7 +497,7 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
         num_stages=num_stages, page_size=page_size, p_in_registers=p_in_registers)
     copies = max(block_kv // page_size, 1)
     wg_tiles = (CONSUMERS, WG_ROWS, head_dim)
-    kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=swizzled())
+    kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_pool.dtype, transforms=() if fp8 else swizzled())
     scratch = dict(
         q_smem=plgpu.SMEM(wg_tiles, q.dtype, transforms=swizzled()),
         k_smem=kv_buf, v_smem=kv_buf,
@@ -475,6 +508,8 @@ def ragged_prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm
         k_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         v_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         schedule=plgpu.Barrier(num_arrivals=CONSUMERS))
+    if fp8:
+        scratch["wide"] = plgpu.SMEM((CONSUMERS, block_kv, head_dim), q.dtype, transforms=swizzled())
     if not p_in_registers:
         scratch["p_smem"] = plgpu.SMEM((CONSUMERS, WG_ROWS, block_kv), q.dtype, transforms=swizzled())
     return plgpu.kernel(

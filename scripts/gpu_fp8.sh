@@ -2,9 +2,9 @@
 # On the GPU machine (device tool), from the repo root, one stage per call (each under 10 minutes); what issue 47's
 # "Done when" asks of FP8 KV pages (docs/lab-notes/fp8-kv.md). Results and logs land in $OUT; the card is named
 # first in every log.
-#   OUT=/tmp/out bash scripts/gpu_fp8.sh kernels     # the FP8 kernel paths compiled for the card (Mosaic lowering of
-#       the upcast in shared memory: decode, window scores, lightning redundancy, compaction) against their jnp
-#       references, then the 16-bit kernel tests, unchanged
+#   OUT=/tmp/out bash scripts/gpu_fp8.sh prefill     # the ragged prefill kernel over bf16 then e4m3 pools on the card,
+#       checked against the reference and timed (TFLOP/s; cuDNN over dense bf16 copies beside it): the two bench
+#       targets, one 8k prompt and 64 prompts of 128-2048 tokens
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh bandwidth   # decode kernel GB/s over bytes actually read, bf16 then e4m3
 #       pools, B = 64 / 256, ctx 4096 / 8192, page 256 (done: FP8 >= 80 % of bf16's GB/s); FP8 also at
 #       FP8_VARIANTS (block_kv:stages:splits[:fp8_staging], default 64:2:0:swizzled,64:4:0:swizzled: the swizzled
@@ -34,11 +34,12 @@ long_reasoning() {  # mode kv_cache_dtype seqs budget
     | tee "$OUT/${mode}_$dtype.log" | tail -12
 }
 
-case "${1:-kernels}" in
-  kernels)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py tests/test_kernels.py \
-      tests/test_scoring_kernel.py tests/test_redundancy_kernel.py tests/test_compaction_kernel.py 2>&1 \
-      | tee "$OUT/kernels.log" | tail -20 ;;
+case "${1:-bandwidth}" in
+  prefill)
+    for dtype in bfloat16 float8_e4m3fn; do
+      timeout 270 python3 -m pallas_kernels.bench --sections prefill --kv-dtype "$dtype" --prefill-variants "" \
+        --json "$OUT/prefill_$dtype.json" 2>&1 | tee "$OUT/prefill_$dtype.log" | grep -v '^{'
+    done ;;
   bandwidth)
     for dtype in bfloat16 float8_e4m3fn; do  # FP8 also at more stages / wider blocks: half the bytes a block
       variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-64:2:0:swizzled,64:4:0:swizzled}")
@@ -57,5 +58,5 @@ case "${1:-kernels}" in
       timeout 250 python3 -m zipage_jax.bench concurrency --model-shape qwen3-8b --kv-cache-dtype "$dtype" 2>&1 \
         | tee "$OUT/plan_$dtype.log" | tail -8
     done ;;
-  *) echo "unknown stage $1: kernels | bandwidth | compressed | full | plan"; exit 2 ;;
+  *) echo "unknown stage $1: prefill | bandwidth | compressed | full | plan"; exit 2 ;;
 esac

@@ -85,7 +85,7 @@ def fp8_through_reference(kernel: Callable, reference_fn: Callable) -> Callable:
 
 
 def fp8_prefill_through_copies(kernel: Callable) -> Callable:
-    """A prefill kernel without an FP8 path (the Mosaic ragged prefill): FP8 pools give it 16-bit copies of the
+    """A prefill kernel without an FP8 path (Triton's): FP8 pools give it 16-bit copies of the
     step's own pages (``[1 + R * P]`` pages of one layer, exact upcasts; the memory plan reserves them:
     ``kv_cache.step_scratch_bytes``), 16-bit pools go straight in."""
 
@@ -93,9 +93,9 @@ def fp8_prefill_through_copies(kernel: Callable) -> Callable:
         if not is_fp8(k_pool.dtype):
             return kernel(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale)
 
-        def copies(pool):  # page 0 stays the null page; the padding entries of the tables copy it too
-            pages = upcast(pool[layer, page_tables.reshape(-1)], q.dtype)
-            return jnp.concatenate([jnp.zeros_like(pages[:1]), pages])[None]
+        def copies(pool):  # copy 0, which no table names, is the null page: one gather, no concatenated copy
+            ids = jnp.concatenate([jnp.zeros((1,), jnp.int32), page_tables.reshape(-1).astype(jnp.int32)])
+            return upcast(pool[layer, ids], q.dtype)[None]
 
         tables = 1 + jnp.arange(page_tables.size, dtype=jnp.int32).reshape(page_tables.shape)
         return kernel(q, copies(k_pool), copies(v_pool), 0, cu_q_lens, kv_lens, tables, sm_scale)
@@ -178,8 +178,7 @@ def mosaic_backends() -> dict:
         name="mosaic_decode", decode=paged_decode.paged_decode, window_scores=k_scoring.window_scores,
         lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
         compact_slots=compaction_by_rows(k_compaction.compact_slots), fused_compression=True)
-    full = dataclasses.replace(decode_only, name="mosaic",
-                               prefill=fp8_prefill_through_copies(ragged_prefill.ragged_prefill))
+    full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
     return {"mosaic_decode": decode_only, "mosaic": full}
 
 

@@ -52,10 +52,10 @@ def step_scratch_bytes(model_cfg, config, dtype, max_model_len: int, backend_nam
     prefill = tokens * width + queries + rows * sample + bitmask_table
     decode = config.max_num_seqs * (width + sample) + bitmask_table
     gathered = 2 * c.num_kv_heads * span * c.head_dim * (it + 4)
-    fp8 = config.kv_cache_dtype != "auto"  # FP8 pages and the kernels without an FP8 path (layers/attention.py)
+    fp8 = config.kv_cache_dtype != "auto"  # FP8 pages and Triton's kernels, which have no FP8 path (layers/attention.py)
     if backend_name == "reference":
         prefill += gathered + 3 * c.num_heads * tokens * span * 4
-    elif fp8:  # the prefill kernel reads 16-bit copies of the step's pages
+    elif fp8 and backend_name == "triton":  # its prefill kernel reads 16-bit copies of the step's pages
         prefill += 2 * (rows * span + config.page_size) * c.num_kv_heads * c.head_dim * it
     if backend_name == "reference" or (fp8 and backend_name == "triton"):
         decode += config.max_num_seqs * (gathered + 3 * c.num_heads * span * 4)
