@@ -14,6 +14,8 @@
 #       the FP8 pool holds twice the pages) (done: FP8 steady tok/s >= 1.4x)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh full        # the same for full KV (done: >= 1.3x)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh plan        # the memory plans side by side: pages, concurrency (README table)
+#   OUT=/tmp/out bash scripts/gpu_fp8.sh accuracy    # both shipped tasks, PROBLEMS (400) held-out problems each, at
+#       BUDGETS (6,10 pages of 16), bf16 then e4m3 pages in one sweep (done: FP8 within 1 point of bf16)
 # SEQS as in gpu_long_reasoning.sh (384 on an H200, 192 on an 80 GB card); FP8_SEQS (default 2 x SEQS) is the
 # closed loop of the FP8 runs, whose pool holds about twice the requests. BUDGET / FP8_BUDGET: seconds of the bf16 /
 # FP8 run. Full KV: 260 each (its window opens within ~15 s). Compressed: 210 / 340 (its window opens once every
@@ -58,5 +60,13 @@ case "${1:-bandwidth}" in
       timeout 250 python3 -m zipage_jax.bench concurrency --model-shape qwen3-8b --kv-cache-dtype "$dtype" 2>&1 \
         | tee "$OUT/plan_$dtype.log" | tail -8
     done ;;
-  *) echo "unknown stage $1: prefill | bandwidth | compressed | full | plan"; exit 2 ;;
+  accuracy)
+    for task in repeated_addition interleaved_sums; do
+      timeout 280 python3 -m zipage_jax.bench sweep --model zipage_jax/assets/tiny-reasoner-two-tasks \
+        --data "synthetic:$task:test:${PROBLEMS:-400}" --budgets "${BUDGETS:-6,10}" --page-size 16 \
+        --attention-backend reference --max-num-seqs 512 --num-gpu-pages-override 32768 \
+        --config bf16:kv_cache_dtype=auto --config fp8:kv_cache_dtype=fp8 --output "$OUT/accuracy_$task.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/accuracy_$task.log" | tail -8
+    done ;;
+  *) echo "unknown stage $1: prefill | bandwidth | compressed | full | plan | accuracy"; exit 2 ;;
 esac
