@@ -118,13 +118,12 @@ def baseline_layouts(k_pool, v_pool, layer, tables):
 
 def decode_variants(specs) -> dict:
     """Specs -> row name -> keyword arguments of ``paged_decode``: ``mosaic`` (its defaults), then per spec
-    ``block_kv:stages:splits`` (splits 0: automatic), optionally ``:<fp8_staging>``."""
+    ``block_kv:stages:splits`` (splits 0: automatic)."""
     variants = {"mosaic": {}}
     for spec in specs:
-        block_kv, stages, splits, *staging = spec.split(":")
-        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "".join(f"_{x}" for x in staging)] = dict(
-            block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None,
-            **({"fp8_staging": staging[0]} if staging else {}))
+        block_kv, stages, splits = spec.split(":")
+        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}"] = dict(
+            block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None)
     return variants
 
 
@@ -369,8 +368,7 @@ def main(argv=None):
                         help="the pool's dtype (FP8: the Mosaic kernels, the decode reference and cuDNN's prefill "
                              "over dense bf16 copies; GB/s count the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra decode configs block_kv:stages:splits[:fp8_staging] (splits 0 = automatic; "
-                             "fp8_staging plain or swizzled), comma separated")
+                        help="extra decode configs block_kv:stages:splits (splits 0 = automatic), comma separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")

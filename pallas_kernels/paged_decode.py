@@ -32,12 +32,6 @@ def swizzled():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def swizzled_bytes(row_bytes):
-    """The 8-bit staging tiling: rows of ``row_bytes`` (64 or 128) swizzled across the shared-memory banks, so the
-    upcast's 32-bit loads (``Layout.WGMMA_UPCAST_2X``) hit distinct banks."""
-    return plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)
-
-
 def _check_inputs(q, k_pool, v_pool, kv_lens, page_tables):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
@@ -69,7 +63,7 @@ def check_block_kv(block_kv, page_size, num_stages):
 
 
 def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, kv_head, kv_len, first_block,
-                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, fp8_staging="plain"):
+                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size):
     """Online-softmax attention of the 64-row query tile in ``q_smem`` (its TMA load signals ``q_bar``) over KV
     blocks ``[first_block, first_block + num_blocks)`` of ``request``'s pages.
 
@@ -80,11 +74,10 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     bytes; each block is upcast (exactly) into one 16-bit buffer that the wgmmas read (8-bit wgmma operands must
     be K-major, which V is not). K and V take turns in it: reading a wgmma's accumulator waits for the wgmma, so
     K's block is done with before V's is written, and the shared memory saved keeps two CTAs on an SM at more
-    stages (more bytes in flight: an 8-bit block carries half of a 16-bit one's). ``fp8_staging``: "plain" (the
-    path measured on an H100: 75-79 % of the 16-bit kernel's bandwidth) stages 8-bit tiles unswizzled and loads
-    them in the wgmma layout, 16 bits a load; "swizzled" (lowered, not yet run on a GPU) stages them with a
-    128-byte swizzle and upcasts them from 32-bit loads (``Layout.WGMMA_UPCAST_2X``). The kernel bench times both
-    (variant ``64:2:0:swizzled``); the slower goes once measured.
+    stages (more bytes in flight: an 8-bit block carries half of a 16-bit one's). The 8-bit tiles are staged
+    unswizzled and loaded in the wgmma layout: on an H100 that reads at 73-79 % of the 16-bit kernel's bandwidth,
+    where a 128-byte swizzle read by 32-bit loads (``Layout.WGMMA_UPCAST_2X``) reached 65-68 %
+    (docs/lab-notes/fp8-kv.md).
     """
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -111,12 +104,8 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         def block(smem, slot):  # the wgmma operand of a staged block
             if not fp8:
                 return smem.at[slot]
-            if fp8_staging == "plain":
-                raw = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-                wide[0][...] = upcast(raw, dtype)
-            else:  # 32-bit shared-memory loads, relaid out in registers
-                raw = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                wide[0][...] = plgpu.layout_cast(upcast(raw, dtype), plgpu.Layout.WGMMA)
+            raw = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+            wide[0][...] = upcast(raw, dtype)
             plgpu.commit_smem()
             return wide[0]
 
@@ -173,8 +162,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
 
     copies = pages_per_block if block_kv > page_size else 1
     if fp8:
-        staging = swizzled_bytes(head_dim) if fp8_staging == "swizzled" else ()
-        kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype, transforms=staging)
+        kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
         wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),)
     else:
         kv_buf, wide = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled()), ()
@@ -234,10 +222,9 @@ def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
     return int(max(1, min(max_blocks, -(-2 * num_sms // ctas))))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "fp8_staging",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "interpret"))
 def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
-                 num_splits=None, fp8_staging="plain", interpret=False):
+                 num_splits=None, interpret=False):
     """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
     ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``). ``interpret`` may be
     ``plgpu.InterpretGPUParams()`` to run on CPU."""
@@ -253,15 +240,13 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         num_splits = default_num_splits(batch, num_kv_heads, max_blocks)
     if not 1 <= num_splits <= max_blocks:
         raise ValueError(f"num_splits must be in [1, {max_blocks}], got {num_splits}")
-    if fp8_staging not in ("swizzled", "plain"):
-        raise ValueError(f"fp8_staging must be 'swizzled' or 'plain', got {fp8_staging!r}")
     blocks_per_split = pl.cdiv(max_blocks, num_splits)
 
     q_tiles = q.reshape(batch, num_kv_heads, group, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, -group % Q_ROW_TILE), (0, 0)))
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
-        blocks_per_split=blocks_per_split, group=group, page_size=page_size, fp8_staging=fp8_staging)
+        blocks_per_split=blocks_per_split, group=group, page_size=page_size)
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),

@@ -7,8 +7,7 @@
 #       targets, one 8k prompt and 64 prompts of 128-2048 tokens
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh bandwidth   # decode kernel GB/s over bytes actually read, bf16 then e4m3
 #       pools, B = 64 / 256, ctx 4096 / 8192, page 256 (done: FP8 >= 80 % of bf16's GB/s); FP8 also at
-#       FP8_VARIANTS (block_kv:stages:splits[:fp8_staging], default 64:2:0:swizzled,64:4:0:swizzled: the swizzled
-#       staging, at 2 and 4 stages)
+#       FP8_VARIANTS (block_kv:stages:splits, comma separated; default none)
 #   OUT=/tmp/out bash scripts/gpu_fp8.sh compressed  # the paper's regime (gpu_long_reasoning.sh), compressed mode,
 #       bf16 pages then e4m3 pages, each its own process and the same pool bytes (--gpu-memory-utilization 0.9:
 #       the FP8 pool holds twice the pages) (done: FP8 steady tok/s >= 1.4x)
@@ -18,9 +17,11 @@
 #       BUDGETS (6,10 pages of 16), bf16 then e4m3 pages in one sweep (done: FP8 within 1 point of bf16)
 # SEQS as in gpu_long_reasoning.sh (384 on an H200, 192 on an 80 GB card); FP8_SEQS (default 2 x SEQS) is the
 # closed loop of the FP8 runs, whose pool holds about twice the requests. BUDGET / FP8_BUDGET: seconds of the bf16 /
-# FP8 run. Full KV: 260 each (its window opens within ~15 s). Compressed: 210 / 340 (its window opens once every
-# aged request is through its prompt: ~100 s into bf16's generation on an H100, and the FP8 pool ages ~twice the
-# requests; 255 each left FP8 no window, 2026-12-07).
+# FP8 run. Full KV: 260 each (its window opens within ~15 s). Compressed: 200 / 300, the loops at the pools'
+# compressed capacity (5/6 x SEQS, 25/32 x FP8_SEQS: 160 / 300 on an 80 GB card; C_SEQS / C_FP8_SEQS), since a
+# compressed window opens only once every aged request is through its prompt, and the prefill of the aged loop is
+# most of the run: on an H100 on 2026-12-07, loops of 192 / 384 left bf16 no window at 200 s and FP8 a 10 s one at
+# 345 s, and the two together do not fit one call.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/card.txt"
@@ -44,14 +45,14 @@ case "${1:-bandwidth}" in
     done ;;
   bandwidth)
     for dtype in bfloat16 float8_e4m3fn; do  # FP8 also at more stages / wider blocks: half the bytes a block
-      variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-64:2:0:swizzled,64:4:0:swizzled}")
+      variants=$([ "$dtype" = bfloat16 ] || echo "${FP8_VARIANTS:-}")
       timeout 270 python3 -m pallas_kernels.bench --sections decode --kv-dtype "$dtype" --page 256 --ctx 4096,8192 \
         --batch 64,256 --variants "$variants" --json "$OUT/decode_$dtype.json" 2>&1 | tee "$OUT/decode_$dtype.log" \
         | grep -v '^{'
     done ;;
   compressed)
-    long_reasoning compressed auto "$SEQS" "${BUDGET:-210}"
-    long_reasoning compressed fp8 "$FP8_SEQS" "${FP8_BUDGET:-340}" ;;
+    long_reasoning compressed auto "${C_SEQS:-$((SEQS * 5 / 6))}" "${BUDGET:-200}"
+    long_reasoning compressed fp8 "${C_FP8_SEQS:-$((FP8_SEQS * 25 / 32))}" "${FP8_BUDGET:-300}" ;;
   full)
     long_reasoning full auto "$SEQS" "${BUDGET:-260}"
     long_reasoning full fp8 "$FP8_SEQS" "${FP8_BUDGET:-260}" ;;

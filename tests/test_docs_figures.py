@@ -272,3 +272,35 @@ def test_size_budgets():
     """BENCHMARKS.md stays a page a user reads in minutes; scripts/ holds what users and the GPU stages run."""
     assert len(BENCHMARKS.split("\n")) <= 600
     assert len([p for p in (ROOT / "scripts").iterdir() if p.is_file()]) <= 14
+
+
+def test_fp8_pages_in_the_papers_regime_on_the_h100():
+    (_, bf16), (_, fp8) = (throughput(f"fp8_full_kv_h100_{d}") for d in ("bf16", "e4m3"))
+    here = section(BENCHMARKS, "H100, FP8 pages")
+    for label, result in (("bf16", bf16["full"]), ("e4m3", fp8["full"])):
+        st, cap = result["steady"], result["steady"]["decode_capacity"]
+        assert row(here, label)[1:] == [
+            window(result), f"{st['tokens_per_s']:.1f}", f"{st['running_mean']:.1f}", f"{st['pages_per_running_mean']:.1f}",
+            f"{cap['tokens_per_s']:.1f} tok/s, {cap['rows']} rows × {cap['ctx']} tokens",
+            f"{100 * st['capacity_efficiency']:.0f} %", f"{result['tokens_per_s_second_half']:.1f}",
+            f"{100 * st['steadiness']['second_half_rate_cv']:.0f} %",
+            f"{100 * st['steadiness']['running_drift_per_min']:+.0f} %".replace("-", "−")]
+    ratio = fp8["full"]["steady"]["tokens_per_s"] / bf16["full"]["steady"]["tokens_per_s"]
+    halves = fp8["full"]["tokens_per_s_second_half"] / bf16["full"]["tokens_per_s_second_half"]
+    assert_quotes(here, f"hold {bf16['full']['kv_pages']} bf16 pages or {fp8['full']['kv_pages']} e4m3 pages",
+                  f"FP8 / bf16: **{ratio:.2f}×** over the windows, **{halves:.2f}×** over the second halves")
+    assert row(section(BENCHMARKS, "At a glance"), "FP8 pages vs bf16, full KV in the paper's regime (same pool "
+               "bytes)")[1] == f"{ratio:.2f}× ({halves:.2f}× over the second halves)"
+    assert_quotes(README, f"runs {ratio:.2f}× bf16 in the paper's regime ({halves:.2f}× over the second halves)")
+
+
+def test_fp8_accuracy_on_the_h100():
+    here = section(BENCHMARKS, "11. Accuracy under compression")
+    for task, label in (("repeated_addition", "repeated addition"), ("interleaved_sums", "interleaved sums")):
+        report = json.loads((ROOT / "docs" / "accuracy_lab" / f"fp8_h100_{task}.json").read_text())
+        acc = {(r["config"], r["budget"]): 100 * r["accuracy"] for r in report["results"]}
+        assert all(r["num_questions"] == 400 for r in report["results"])
+        cell = lambda name, budget: f"{acc[(name, budget)]:.1f} / {acc[(name.replace('bf16', 'fp8'), budget)]:.1f} %"  # noqa: E731
+        assert row(here, label)[1:] == [cell("bf16-full", None), cell("bf16", 6), cell("bf16", 20)]
+        assert max(abs(acc[(c, b)] - acc[(c.replace("bf16", "fp8"), b)])
+                   for c, b in acc if c.startswith("bf16")) <= 1.0, task

@@ -123,9 +123,8 @@ def test_kv_cache_dtype_is_validated_and_counts_one_byte_a_value():
     assert "pages of float8_e4m3fn" in fp8.describe() and fp8.as_dict()["kv_dtype"] == "float8_e4m3fn"
 
 
-@pytest.mark.parametrize("num_splits, num_stages, kv_lens, staging",
-                         [(2, 2, (70, 0, 33), "swizzled"), (1, 3, (250, 0, 33), "swizzled"), (2, 2, (70, 0, 33), "plain")])
-def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, staging, page_size=16, block_kv=64):
+@pytest.mark.parametrize("num_splits, num_stages, kv_lens", [(2, 2, (70, 0, 33)), (1, 3, (250, 0, 33))])
+def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, page_size=16, block_kv=64):
     """Interpret mode: the Mosaic decode kernel over FP8 pages (upcast in shared memory, K and V taking turns in
     one buffer; more blocks than stages in the second case) equals the reference over the same pages (relative
     L2 error under 1e-2, as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma)."""
@@ -139,22 +138,21 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, staging,
     q = jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16)
     lens = jnp.asarray(kv_lens, jnp.int32)
     out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=block_kv, num_splits=num_splits,
-                       num_stages=num_stages, fp8_staging=staging, interpret=INTERPRET)
+                       num_stages=num_stages, interpret=INTERPRET)
     want = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5)
     assert_close(out, want, "above")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("staging", ["swizzled", "plain"])
-def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, staging):
+def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim):
     """Interpret mode ignores shared-memory layouts: lowering for CUDA (no GPU needed) runs Mosaic's layout inference
-    and checks the staging's tiling and swizzle against the loads."""
+    and checks the staging's tiling against the loads."""
     from jax import export
 
     from pallas_kernels.paged_decode import paged_decode
     batch, hkv, pages_per_row, page_size = 2, 2, 4, 256
     arg = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1, fp8_staging=staging))
+    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1))
     pool = arg((2, batch * pages_per_row + 1, hkv, page_size, head_dim), jnp.float8_e4m3fn)
     lowered = export.export(fn, platforms=("cuda",))(
         arg((batch, 4 * hkv, head_dim), jnp.bfloat16), pool, pool, arg((batch,), jnp.int32),
