@@ -118,12 +118,15 @@ def baseline_layouts(k_pool, v_pool, layer, tables):
 
 def decode_variants(specs) -> dict:
     """Specs -> row name -> keyword arguments of ``paged_decode``: ``mosaic`` (its defaults), then per spec
-    ``block_kv:stages:splits`` (splits 0: automatic)."""
+    ``block_kv:stages:splits`` (splits 0: automatic), ``:overlap`` appended for FP8's overlapped upcast."""
     variants = {"mosaic": {}}
     for spec in specs:
-        block_kv, stages, splits = spec.split(":")
-        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}"] = dict(
-            block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None)
+        block_kv, stages, splits, *extra = spec.split(":")
+        if extra not in ([], ["overlap"]):
+            raise ValueError(f"variants: {spec!r} is not block_kv:stages:splits[:overlap]")
+        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "_overlap" * bool(extra)] = dict(
+            block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None,
+            **({"overlap_upcast": True} if extra else {}))
     return variants
 
 
@@ -368,7 +371,8 @@ def main(argv=None):
                         help="the pool's dtype (FP8: the Mosaic kernels, the decode reference and cuDNN's prefill "
                              "over dense bf16 copies; GB/s count the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra decode configs block_kv:stages:splits (splits 0 = automatic), comma separated")
+                        help="extra decode configs block_kv:stages:splits[:overlap] (splits 0 = automatic; overlap: "
+                             "FP8's upcasts under the wgmmas), comma separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")

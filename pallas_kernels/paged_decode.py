@@ -63,7 +63,7 @@ def check_block_kv(block_kv, page_size, num_stages):
 
 
 def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, kv_head, kv_len, first_block,
-                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size):
+                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, overlap_upcast=False):
     """Online-softmax attention of the 64-row query tile in ``q_smem`` (its TMA load signals ``q_bar``) over KV
     blocks ``[first_block, first_block + num_blocks)`` of ``request``'s pages.
 
@@ -77,7 +77,9 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     stages (more bytes in flight: an 8-bit block carries half of a 16-bit one's). The 8-bit tiles are staged
     unswizzled and loaded in the wgmma layout: on an H100 that reads at 73-79 % of the 16-bit kernel's bandwidth,
     where a 128-byte swizzle read by 32-bit loads (``Layout.WGMMA_UPCAST_2X``) reached 65-68 %
-    (docs/lab-notes/fp8-kv.md).
+    (docs/lab-notes/fp8-kv.md). ``overlap_upcast`` (FP8; not yet measured on a GPU) gives K and V a 16-bit buffer
+    each, so the upcasts leave the critical path: V's runs under the ``q @ k^T`` wgmma (its 8-bit slot is then
+    refilled at once), the next block's K under the ``p @ v`` wgmma.
     """
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -99,20 +101,28 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             plgpu.copy_gmem_to_smem(v_ref.at[layer, page, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
 
     fp8 = is_fp8(k_ref.dtype)
+    overlap = fp8 and overlap_upcast
 
     def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
-        def block(smem, slot):  # the wgmma operand of a staged block
-            if not fp8:
-                return smem.at[slot]
+        def upcast_into(smem, slot, buffer):  # a staged 8-bit block, exactly, as a 16-bit wgmma operand
             raw = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-            wide[0][...] = upcast(raw, dtype)
+            buffer[...] = upcast(raw, dtype)
             plgpu.commit_smem()
-            return wide[0]
+            return buffer
+
+        def block(smem, slot):  # the wgmma operand of a staged block
+            return upcast_into(smem, slot, wide[0]) if fp8 else smem.at[slot]
 
         for s in range(num_stages):
             @pl.when(s < num_blocks)
             def _prologue():
                 issue(s, s, k_smem, v_smem, k_bar, v_bar)
+
+        if overlap:
+            @pl.when(num_blocks > 0)
+            def _first_k():
+                plgpu.barrier_wait(k_bar.at[0])
+                upcast_into(k_smem, 0, wide[0])
 
         plgpu.barrier_wait(q_bar)
         m_i = plgpu.layout_cast(jnp.full((TILE_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -122,11 +132,23 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         def step_fn(step, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(step, num_stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            k_block = block(k_smem, slot)
+            if overlap:
+                k_block = wide[0]  # upcast under the previous block's p @ v
+            else:
+                plgpu.barrier_wait(k_bar.at[slot])
+                k_block = block(k_smem, slot)
+
+            def refill():
+                @pl.when(step + num_stages < num_blocks)
+                def _():
+                    issue(step + num_stages, slot, k_smem, v_smem, k_bar, v_bar)
 
             def qk_fn(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_block.T)
+                if overlap:  # V's upcast under the wgmma; both 8-bit blocks of the slot are then read
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    upcast_into(v_smem, slot, wide[1])
+                    refill()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_fn, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
@@ -142,20 +164,26 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             l_i = l_i * alpha + p.sum(axis=1)
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
-            v_block = block(v_smem, slot)
+            if overlap:
+                v_block = wide[1]
+            else:
+                plgpu.barrier_wait(v_bar.at[slot])
+                v_block = block(v_smem, slot)
 
             def pv_fn(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_block)
+                if overlap:  # the next block's K under the wgmma (this block's q @ k^T is done with its buffer)
+                    @pl.when(step + 1 < num_blocks)
+                    def _next_k():
+                        next_slot = lax.rem(step + 1, num_stages)
+                        plgpu.barrier_wait(k_bar.at[next_slot])
+                        upcast_into(k_smem, next_slot, wide[0])
                 return acc_ref[...]
 
             pv = pl.run_scoped(pv_fn, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-
-            @pl.when(step + num_stages < num_blocks)
-            def _refill():
-                issue(step + num_stages, slot, k_smem, v_smem, k_bar, v_bar)
-
+            if not overlap:
+                refill()
             return acc, m_new, l_i
 
         return lax.fori_loop(0, num_blocks, step_fn, (acc, m_i, l_i))
@@ -163,7 +191,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     copies = pages_per_block if block_kv > page_size else 1
     if fp8:
         kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
-        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),)
+        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * (2 if overlap else 1)
     else:
         kv_buf, wide = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled()), ()
     return pl.run_scoped(
@@ -222,12 +250,13 @@ def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
     return int(max(1, min(max_blocks, -(-2 * num_sms // ctas))))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "overlap_upcast",
+                                             "interpret"))
 def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
-                 num_splits=None, interpret=False):
+                 num_splits=None, overlap_upcast=False, interpret=False):
     """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
-    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``). ``interpret`` may be
-    ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``; ``overlap_upcast``:
+    ``attend_pages``). ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -246,7 +275,8 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, -group % Q_ROW_TILE), (0, 0)))
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
-        blocks_per_split=blocks_per_split, group=group, page_size=page_size)
+        blocks_per_split=blocks_per_split, group=group, page_size=page_size,
+        overlap_upcast=overlap_upcast)
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),

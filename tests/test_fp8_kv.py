@@ -123,11 +123,13 @@ def test_kv_cache_dtype_is_validated_and_counts_one_byte_a_value():
     assert "pages of float8_e4m3fn" in fp8.describe() and fp8.as_dict()["kv_dtype"] == "float8_e4m3fn"
 
 
-@pytest.mark.parametrize("num_splits, num_stages, kv_lens", [(2, 2, (70, 0, 33)), (1, 3, (250, 0, 33))])
-def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, page_size=16, block_kv=64):
+@pytest.mark.parametrize("num_splits, num_stages, kv_lens, overlap", [
+    (2, 2, (70, 0, 33), False), (1, 3, (250, 0, 33), False), (1, 2, (250, 0, 33), True), (2, 1, (150, 0, 33), True)])
+def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap, page_size=16, block_kv=64):
     """Interpret mode: the Mosaic decode kernel over FP8 pages (upcast in shared memory, K and V taking turns in
-    one buffer; more blocks than stages in the second case) equals the reference over the same pages (relative
-    L2 error under 1e-2, as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma)."""
+    one buffer, or with ``overlap_upcast`` a buffer each, upcast under the wgmmas; more blocks than stages from the
+    second case on, one stage in the last) equals the reference over the same pages (relative L2 error under 1e-2,
+    as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma)."""
     from pallas_kernels.paged_decode import paged_decode
     rng = seeded_rng()
     hkv, d, group = 1, 64, 4
@@ -138,13 +140,13 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, page_siz
     q = jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16)
     lens = jnp.asarray(kv_lens, jnp.int32)
     out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=block_kv, num_splits=num_splits,
-                       num_stages=num_stages, interpret=INTERPRET)
+                       num_stages=num_stages, overlap_upcast=overlap, interpret=INTERPRET)
     want = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5)
     assert_close(out, want, "above")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim):
+@pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (128, True)])
+def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, overlap):
     """Interpret mode ignores shared-memory layouts: lowering for CUDA (no GPU needed) runs Mosaic's layout inference
     and checks the staging's tiling against the loads."""
     from jax import export
@@ -152,7 +154,8 @@ def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim):
     from pallas_kernels.paged_decode import paged_decode
     batch, hkv, pages_per_row, page_size = 2, 2, 4, 256
     arg = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1))
+    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1,
+                                                                       overlap_upcast=overlap))
     pool = arg((2, batch * pages_per_row + 1, hkv, page_size, head_dim), jnp.float8_e4m3fn)
     lowered = export.export(fn, platforms=("cuda",))(
         arg((batch, 4 * hkv, head_dim), jnp.bfloat16), pool, pool, arg((batch,), jnp.int32),
