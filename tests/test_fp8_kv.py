@@ -129,7 +129,10 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap,
     """Interpret mode: the Mosaic decode kernel over FP8 pages (upcast in shared memory, K and V taking turns in
     one buffer, or with ``overlap_upcast`` a buffer each, upcast under the wgmmas; more blocks than stages from the
     second case on, one stage in the last) equals the reference over the same pages (relative L2 error under 1e-2,
-    as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma)."""
+    as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma); the overlapped upcast at one
+    stage (its refill and next K's wait in one slot) with the race detector on."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
     from pallas_kernels.paged_decode import paged_decode
     rng = seeded_rng()
     hkv, d, group = 1, 64, 4
@@ -139,10 +142,16 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap,
     tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], pages_per_row, pages))
     q = jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16)
     lens = jnp.asarray(kv_lens, jnp.int32)
+    races = overlap and num_stages == 1
+    interpret = INTERPRET
+    if races:
+        gpu_interpret.reset_gpu_interpret_mode_state()
+        interpret = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
     out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=block_kv, num_splits=num_splits,
-                       num_stages=num_stages, overlap_upcast=overlap, interpret=INTERPRET)
+                       num_stages=num_stages, overlap_upcast=overlap, interpret=interpret)
     want = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5)
     assert_close(out, want, "above")
+    assert not (races and gpu_interpret.get_races().races_found), "data race between the copies and the upcasts"
 
 
 @pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (128, True)])
