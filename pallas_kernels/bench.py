@@ -118,15 +118,17 @@ def baseline_layouts(k_pool, v_pool, layer, tables):
 
 def decode_variants(specs) -> dict:
     """Specs -> row name -> keyword arguments of ``paged_decode``: ``mosaic`` (its defaults), then per spec
-    ``block_kv:stages:splits`` (splits 0: automatic), ``:overlap`` appended for FP8's overlapped upcast."""
+    ``block_kv:stages:splits`` (splits 0: automatic), then FP8's flags: ``:overlap`` (``overlap_upcast``),
+    ``:fp8qk`` (``fp8_qk``)."""
+    flags = {"overlap": "overlap_upcast", "fp8qk": "fp8_qk"}
     variants = {"mosaic": {}}
     for spec in specs:
         block_kv, stages, splits, *extra = spec.split(":")
-        if extra not in ([], ["overlap"]):
-            raise ValueError(f"variants: {spec!r} is not block_kv:stages:splits[:overlap]")
-        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "_overlap" * bool(extra)] = dict(
+        if not set(extra) <= set(flags):
+            raise ValueError(f"variants: {spec!r} is not block_kv:stages:splits[:overlap][:fp8qk]")
+        variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "".join(f"_{x}" for x in extra)] = dict(
             block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None,
-            **({"overlap_upcast": True} if extra else {}))
+            **{flags[x]: True for x in extra})
     return variants
 
 
@@ -371,8 +373,9 @@ def main(argv=None):
                         help="the pool's dtype (FP8: the Mosaic kernels, the decode reference and cuDNN's prefill "
                              "over dense bf16 copies; GB/s count the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra decode configs block_kv:stages:splits[:overlap] (splits 0 = automatic; overlap: "
-                             "FP8's upcasts under the wgmmas), comma separated")
+                        help="extra decode configs block_kv:stages:splits[:overlap][:fp8qk] (splits 0 = automatic; "
+                             "FP8: overlap, the upcasts under the wgmmas; fp8qk, e4m3 queries and q @ k^T), comma "
+                             "separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")

@@ -32,6 +32,19 @@ def swizzled():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
+def swizzled_bytes(row_bytes):
+    """The tiling wgmma reads 8-bit operands from: rows of ``row_bytes`` (the head dim: 64 or 128), swizzled."""
+    return plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)
+
+
+def quantize_queries(q_tiles, dtype=jnp.float8_e4m3fn):
+    """``fp8_qk``'s queries: ``q_tiles [B, Hkv, G, D]`` in ``dtype`` over one scale per (row, KV head), its largest
+    magnitude on the format's largest value; returns ``(q8, scale [B, Hkv] f32)``, ``q ~ scale * q8``."""
+    amax = jnp.max(jnp.abs(q_tiles.astype(jnp.float32)), axis=(2, 3))
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    return (q_tiles.astype(jnp.float32) / scale[..., None, None]).astype(dtype), scale
+
+
 def _check_inputs(q, k_pool, v_pool, kv_lens, page_tables):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
@@ -63,7 +76,8 @@ def check_block_kv(block_kv, page_size, num_stages):
 
 
 def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, kv_head, kv_len, first_block,
-                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, overlap_upcast=False):
+                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, overlap_upcast=False,
+                 q_scale=None):
     """Online-softmax attention of the 64-row query tile in ``q_smem`` (its TMA load signals ``q_bar``) over KV
     blocks ``[first_block, first_block + num_blocks)`` of ``request``'s pages.
 
@@ -79,10 +93,12 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     where a 128-byte swizzle read by 32-bit loads (``Layout.WGMMA_UPCAST_2X``) reached 65-68 %
     (docs/lab-notes/fp8-kv.md). ``overlap_upcast`` (FP8; not yet measured on a GPU) gives K and V a 16-bit buffer
     each, so the upcasts leave the critical path: V's runs under the ``q @ k^T`` wgmma (its 8-bit slot is then
-    refilled at once), the next block's K under the ``p @ v`` wgmma.
+    refilled at once), the next block's K under the ``p @ v`` wgmma. ``q_scale`` (FP8 queries in ``q_smem``,
+    ``quantize_queries``; not yet measured on a GPU): ``q @ k^T`` runs as an FP8 wgmma straight off the staged K
+    (K-major, as 8-bit operands must be), so only V is upcast, and the scores are scaled by ``q_scale`` after it.
     """
     head_dim = q_smem.shape[-1]
-    dtype = q_smem.dtype
+    dtype = jnp.bfloat16 if is_fp8(q_smem.dtype) else q_smem.dtype  # the 16-bit operands' (upcast V, p)
     last_live_page = lax.max(kv_len - 1, 0) // page_size
     pages_per_block = max(block_kv // page_size, 1)
 
@@ -102,6 +118,8 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
 
     fp8 = is_fp8(k_ref.dtype)
     overlap = fp8 and overlap_upcast
+    k_direct = fp8 and q_scale is not None  # q @ k^T in FP8: K is never upcast
+    upcast_k = fp8 and not k_direct
 
     def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
         def upcast_into(smem, slot, buffer):  # a staged 8-bit block, exactly, as a 16-bit wgmma operand
@@ -118,7 +136,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             def _prologue():
                 issue(s, s, k_smem, v_smem, k_bar, v_bar)
 
-        if overlap:
+        if overlap and upcast_k:
             @pl.when(num_blocks > 0)
             def _first_k():
                 plgpu.barrier_wait(k_bar.at[0])
@@ -132,11 +150,12 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         def step_fn(step, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(step, num_stages)
-            if overlap:
+            if overlap and upcast_k:
                 k_block = wide[0]  # upcast under the previous block's p @ v
             else:
                 plgpu.barrier_wait(k_bar.at[slot])
-                k_block = block(k_smem, slot)
+                k_block = k_smem.at[slot] if k_direct else block(k_smem, slot)
+            v_wide = wide[-1] if fp8 else None  # K's buffer too, unless the upcasts overlap (then K has wide[0])
 
             def refill():
                 @pl.when(step + num_stages < num_blocks)
@@ -147,11 +166,13 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
                 plgpu.wgmma(acc_ref, q_smem, k_block.T)
                 if overlap:  # V's upcast under the wgmma; both 8-bit blocks of the slot are then read
                     plgpu.barrier_wait(v_bar.at[slot])
-                    upcast_into(v_smem, slot, wide[1])
+                    upcast_into(v_smem, slot, v_wide)
                     refill()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_fn, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
+            if k_direct:
+                s = s * q_scale
             slot_ids = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
             limit = pos0 - (first_block + step) * block_kv
             if causal:
@@ -165,14 +186,14 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
             if overlap:
-                v_block = wide[1]
+                v_block = v_wide
             else:
                 plgpu.barrier_wait(v_bar.at[slot])
-                v_block = block(v_smem, slot)
+                v_block = upcast_into(v_smem, slot, v_wide) if fp8 else v_smem.at[slot]
 
             def pv_fn(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_block)
-                if overlap:  # the next block's K under the wgmma (this block's q @ k^T is done with its buffer)
+                if overlap and upcast_k:  # the next K under the wgmma (this block's q @ k^T is done with its buffer)
                     @pl.when(step + 1 < num_blocks)
                     def _next_k():
                         next_slot = lax.rem(step + 1, num_stages)
@@ -190,19 +211,23 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
 
     copies = pages_per_block if block_kv > page_size else 1
     if fp8:
-        kv_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
-        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * (2 if overlap else 1)
+        v_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
+        k_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype,
+                           transforms=swizzled_bytes(head_dim)) if k_direct else v_buf
+        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * (2 if overlap and upcast_k else 1)
     else:
-        kv_buf, wide = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled()), ()
+        k_buf = v_buf = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled())
+        wide = ()
     return pl.run_scoped(
-        attend, kv_buf, kv_buf, plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled()),
+        attend, k_buf, v_buf, plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled()),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages), *wide,
     )
 
 
-def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar,
-                   *, blocks_per_split, group, **tile_params):
+def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *refs, blocks_per_split, group,
+                   fp8_qk, **tile_params):
+    q_scale_ref, (o_ref, lse_ref, q_smem, q_bar) = (refs[0], refs[1:]) if fp8_qk else (None, refs)
     kv_head = lax.axis_index("h")
     split = lax.axis_index("s")
     row = lax.axis_index("b")
@@ -214,7 +239,8 @@ def _decode_kernel(layer_ref, kv_lens_ref, page_tables_ref, q_ref, k_ref, v_ref,
     # shared memory held, and every row's softmax and output stay its own, so they never reach a real row.
     plgpu.copy_gmem_to_smem(q_ref.at[row, kv_head], q_smem.at[pl.ds(0, q_ref.shape[2])], q_bar)
     acc, m_i, l_i = attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, row, layer_ref[0], kv_head, kv_len,
-                                 first_block, num_blocks, kv_len - 1, causal=False, **tile_params)
+                                 first_block, num_blocks, kv_len - 1, causal=False,
+                                 q_scale=q_scale_ref[row, kv_head] if fp8_qk else None, **tile_params)
 
     def store(o_smem, lse_smem):
         # Empty splits keep l_i == 0: their output is NaN here and dropped by the merge (lse = -inf).
@@ -251,13 +277,16 @@ def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "overlap_upcast",
-                                             "interpret"))
+                                             "fp8_qk", "interpret"))
 def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
-                 num_splits=None, overlap_upcast=False, interpret=False):
+                 num_splits=None, overlap_upcast=False, fp8_qk=False, interpret=False):
     """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
-    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``; ``overlap_upcast``:
-    ``attend_pages``). ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``; ``overlap_upcast`` and
+    ``fp8_qk``, which quantizes the queries to e4m3 (``quantize_queries``) for an FP8 ``q @ k^T``: ``attend_pages``).
+    ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
+    if fp8_qk and not is_fp8(k_pool.dtype):
+        raise ValueError(f"fp8_qk: needs FP8 pools, got {k_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
@@ -273,10 +302,14 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
 
     q_tiles = q.reshape(batch, num_kv_heads, group, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, -group % Q_ROW_TILE), (0, 0)))
+    q_scales = ()
+    if fp8_qk:
+        q_tiles, q_scale = quantize_queries(q_tiles)
+        q_scales = (q_scale,)
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
         blocks_per_split=blocks_per_split, group=group, page_size=page_size,
-        overlap_upcast=overlap_upcast)
+        overlap_upcast=overlap_upcast, fp8_qk=fp8_qk)
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),
@@ -284,12 +317,13 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         grid=(num_kv_heads, num_splits, batch),
         grid_names=("h", "s", "b"),
         scratch_types=(
-            plgpu.SMEM((TILE_ROWS, head_dim), q.dtype, transforms=swizzled()),
+            plgpu.SMEM((TILE_ROWS, head_dim), q_tiles.dtype,
+                       transforms=swizzled_bytes(head_dim) if fp8_qk else swizzled()),
             plgpu.Barrier(),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
-      q_tiles, k_pool, v_pool)
+      q_tiles, k_pool, v_pool, *q_scales)
     out = merge_splits(o_parts, lse_parts[..., :group])
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -154,8 +154,35 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap,
     assert not (races and gpu_interpret.get_races().races_found), "data race between the copies and the upcasts"
 
 
-@pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (128, True)])
-def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, overlap):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_kernel_with_fp8_queries(overlap, page_size=16):
+    """Interpret mode: with ``fp8_qk`` (queries in e4m3, one scale per row and KV head; q @ k^T straight off the
+    staged FP8 keys) the kernel equals the reference over the same quantized queries (relative L2 under 1e-2, as
+    above), and it stays within 5e-2 of the exact queries' output when the queries carry the engine's K scales
+    (e4m3's 3 mantissa bits move each logit by up to 2^-4 of sum |q_d k_d| sm_scale: 2-3e-2 here)."""
+    from pallas_kernels.paged_decode import paged_decode, quantize_queries
+    rng = seeded_rng()
+    hkv, d, group, kv_lens = 2, 64, 4, (250, 0, 33)
+    pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
+    pages = len(kv_lens) * pages_per_row + 2
+    _, _, k8, v8, scales = fp8_pools(rng, (2, pages, hkv, page_size, d))
+    tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], pages_per_row, pages))
+    q = scale_queries(jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16), scales[0, 1])
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=64, num_splits=2, fp8_qk=True,
+                       overlap_upcast=overlap, interpret=INTERPRET)
+    q8, q_scale = quantize_queries(q.reshape(len(kv_lens), hkv, group, d))
+    rounded = (q8.astype(jnp.float32) * q_scale[..., None, None]).reshape(q.shape).astype(q.dtype)
+    assert_close(out, paged_decode_ref(rounded, k8, v8, 1, lens, tables, d ** -0.5), "above")
+    exact = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5).astype(jnp.float32)
+    assert float(jnp.linalg.norm(out.astype(jnp.float32) - exact) / jnp.linalg.norm(exact)) < 5e-2
+    with pytest.raises(ValueError, match="fp8_qk"):
+        paged_decode(q, upcast(k8), upcast(v8), 1, lens, tables, 0.1, fp8_qk=True, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("head_dim, overlap, fp8_qk", [(64, False, False), (128, False, False), (128, True, False),
+                                                      (64, False, True), (128, True, True)])
+def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, overlap, fp8_qk):
     """Interpret mode ignores shared-memory layouts: lowering for CUDA (no GPU needed) runs Mosaic's layout inference
     and checks the staging's tiling against the loads."""
     from jax import export
@@ -164,7 +191,7 @@ def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, overlap):
     batch, hkv, pages_per_row, page_size = 2, 2, 4, 256
     arg = jax.ShapeDtypeStruct
     fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1,
-                                                                       overlap_upcast=overlap))
+                                                                       overlap_upcast=overlap, fp8_qk=fp8_qk))
     pool = arg((2, batch * pages_per_row + 1, hkv, page_size, head_dim), jnp.float8_e4m3fn)
     lowered = export.export(fn, platforms=("cuda",))(
         arg((batch, 4 * hkv, head_dim), jnp.bfloat16), pool, pool, arg((batch,), jnp.int32),
