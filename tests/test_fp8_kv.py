@@ -341,16 +341,18 @@ def test_a_prefill_kernel_without_fp8_reads_copies_of_the_steps_pages():
     np.testing.assert_array_equal(got, ragged_prefill_ref(q, k8, v8, 1, cu, kv_lens, tables, 0.2))
 
 
-def test_an_fp8_engine_calibrates_its_scales_reports_its_dtype_and_follows_the_reference_trace():
-    """Through the whole engine (compression on, reference backend): start-up calibrates non-unit scales, the
-    metrics name the pool's dtype, and greedy decoding of held-out problems, compressed twice or more, writes the
-    task's reference scratchpad (the shipped model's full-KV greedy output)."""
+def test_an_fp8_engine_calibrates_its_scales_reports_its_dtype_and_follows_the_reference_trace(caplog):
+    """Through the whole engine (compression on, reference backend): start-up calibrates non-unit scales, warns
+    that FP8 pages are slow on the CPU, the metrics name the pool's dtype, and greedy decoding of held-out problems,
+    compressed twice or more, writes the task's reference scratchpad (the shipped model's full-KV greedy output)."""
     from zipage_jax import LLM, SamplingParams
     from zipage_jax.tasks import repeated_addition
     from zipage_jax.tasks.tokenizer import encode_chat
 
-    llm = LLM(kv_cache_dtype="fp8", page_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-              compression=True, kv_budget_pages=6, compilation_cache_dir=None)
+    with caplog.at_level("WARNING"):
+        llm = LLM(kv_cache_dtype="fp8", page_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                  compression=True, kv_budget_pages=6, compilation_cache_dir=None)
+    assert any("FP8 pages run ~30x slower" in r.getMessage() for r in caplog.records)
     assert llm.metrics()["kv_cache_dtype"] == "float8_e4m3fn"
     scales = np.asarray(llm.engine.worker.state.kv_scales)
     assert np.isfinite(scales).all() and (scales > 0).all() and not np.allclose(scales, 1.0)

@@ -182,6 +182,10 @@ class Worker:
             start = time.perf_counter()
             state = state.replace(kv_scales=kv_scales.calibrate(params, model_cfg, memory_plan.kv_dtype, mesh))
             startup_s["kv_scales"] = time.perf_counter() - start
+            if device.platform == "cpu":
+                log.warning("kv_cache_dtype: FP8 pages run ~30x slower than 16-bit ones on the CPU (XLA's CPU "
+                            "scatter into a float8 pool rewrites the whole pool at every KV write); they are meant "
+                            "for GPUs")
         start = time.perf_counter()
         worker = cls(config, model_cfg, memory_plan, params, backend, mesh, state, eos_token_ids, progress)
         worker.allocator = allocator
