@@ -37,6 +37,20 @@ def swizzled_bytes(row_bytes):
     return plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)
 
 
+def upcast_block(staged, buffer, piece_rows=None):
+    """An FP8 pool's staged 8-bit block (``staged [rows, D]``), exactly, as a 16-bit wgmma operand in ``buffer``
+    (its first ``rows`` rows); loaded in the wgmma layout, whole or ``piece_rows`` rows at a time (fewer live
+    registers beside an accumulator). Returns the operand."""
+    rows = staged.shape[0]
+    step = piece_rows or rows
+    for start in range(0, rows, step):
+        part = pl.ds(start, step)
+        raw = plgpu.load(staged.at[part] if piece_rows else staged, layout=plgpu.Layout.WGMMA, optimized=False)
+        (buffer.at[part] if piece_rows else buffer)[...] = upcast(raw, buffer.dtype)
+    plgpu.commit_smem()
+    return buffer if rows == buffer.shape[0] else buffer.at[pl.ds(0, rows)]
+
+
 def quantize_queries(q_tiles, dtype=jnp.float8_e4m3fn):
     """``fp8_qk``'s queries: ``q_tiles [B, Hkv, G, D]`` in ``dtype`` over one scale per (row, KV head), its largest
     magnitude on the format's largest value; returns ``(q8, scale [B, Hkv] f32)``, ``q ~ scale * q8``."""
@@ -123,10 +137,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
 
     def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
         def upcast_into(smem, slot, buffer):  # a staged 8-bit block, exactly, as a 16-bit wgmma operand
-            raw = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-            buffer[...] = upcast(raw, dtype)
-            plgpu.commit_smem()
-            return buffer
+            return upcast_block(smem.at[slot], buffer)
 
         def block(smem, slot):  # the wgmma operand of a staged block
             return upcast_into(smem, slot, wide[0]) if fp8 else smem.at[slot]

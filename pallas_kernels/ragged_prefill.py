@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import is_fp8, upcast
-from pallas_kernels.paged_decode import check_block_kv, swizzled
+from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.paged_decode import check_block_kv, swizzled, upcast_block
 
 ROW_ALIGN = 8  # rows of one tile of the swizzled shared-memory layout: query tiles start on multiples of it
 WG_ROWS = 64  # wgmma M: the rows of one consumer warpgroup
@@ -206,8 +206,8 @@ class _Item:
 
 def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_request_ref, tile_row_ref, q_ref,
                     k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem, o_stage, q_bars, k_bars, v_bars, k_consumed,
-                    v_consumed, schedule, p_smem=None, wide=None, heads, tile_tokens, slabs, num_slabs, num_items, num_ctas,
-                    snake, sm_scale, block_kv, narrow_keys, num_stages, page_size, p_in_registers):
+                    v_consumed, schedule, p_smem=None, wide=None, heads, tile_tokens, slabs, num_slabs, num_items,
+                    num_ctas, snake, sm_scale, block_kv, narrow_keys, num_stages, page_size, p_in_registers):
     cta = lax.axis_index("c")
     wg = lax.axis_index("wg")
     my_items = cta_item_count(cta, num_items, num_ctas, snake)
@@ -273,7 +273,7 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                     k_block, v_block = k_block.at[pl.ds(0, keys)], v_block.at[pl.ds(0, keys)]
                 if wide is not None:  # FP8: this warpgroup's 16-bit copy of the block, the 8-bit slot released
                     with jax.named_scope("upcast"):
-                        k_block = _upcast_block(k_block, wide.at[wg], keys)
+                        k_block = upcast_block(k_block, wide.at[wg], WG_ROWS)
                     plgpu.barrier_arrive(k_consumed.at[slot])
 
                 def qk(acc_ref):
@@ -302,7 +302,7 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
                     plgpu.barrier_arrive(schedule)  # softmax done
                     plgpu.barrier_wait(v_bars.at[slot])
                     if wide is not None:  # K's scores are read: V takes the buffer while the other's q @ k^T runs
-                        v_block = _upcast_block(v_block, wide.at[wg], keys)
+                        v_block = upcast_block(v_block, wide.at[wg], WG_ROWS)
                         plgpu.barrier_arrive(v_consumed.at[slot])
                     plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
@@ -400,17 +400,6 @@ def _prefill_kernel(layer_ref, bounds_ref, kv_lens_ref, page_tables_ref, tile_re
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
-
-
-def _upcast_block(staged, buffer, keys):
-    """The first ``keys`` rows of an 8-bit staged KV block, upcast into ``buffer`` (16 bits, swizzled for wgmma) in
-    64-row pieces (fewer live registers beside the accumulator); returns the wgmma operand."""
-    for piece in range(keys // WG_ROWS):
-        rows = pl.ds(piece * WG_ROWS, WG_ROWS)
-        raw = plgpu.load(staged.at[rows], layout=plgpu.Layout.WGMMA, optimized=False)
-        buffer.at[rows][...] = upcast(raw, buffer.dtype)
-    plgpu.commit_smem()
-    return buffer.at[pl.ds(0, keys)]
 
 
 def _store_rows(stage, o_ref, head, row0, t0, t1, stage_row0, first, end):

@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import is_fp8, upcast
-from pallas_kernels.paged_decode import TILE_ROWS, swizzled
+from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.paged_decode import TILE_ROWS, swizzled, upcast_block
 from pallas_kernels.reference import NORM_FLOOR, row_layers  # NORM_FLOOR: the jnp reference's clamp of the key norms
 
 
@@ -144,8 +144,7 @@ def _row_sums_kernel(layer_ref, num_pages_ref, page_tables_ref, k_ref, col_bits_
         plgpu.copy_gmem_to_smem(col_bits_ref, col_bits_smem, barrier)
         plgpu.barrier_wait(barrier)
         if staging:  # the cosine does not see the pool's per-head scale: the raw values upcast are enough
-            k_smem[...] = upcast(plgpu.load(staging[0], layout=wgmma_layout, optimized=False), k_smem.dtype)
-            plgpu.commit_smem()
+            upcast_block(staging[0], k_smem)
         norms()
         plgpu.commit_smem()
         # A loop, not unrolled: unrolled, the row tiles used all 255 registers and spilled; looped nothing spills

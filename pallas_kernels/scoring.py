@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import is_fp8, upcast
-from pallas_kernels.paged_decode import TILE_ROWS, check_block_kv, swizzled
+from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.paged_decode import TILE_ROWS, check_block_kv, swizzled, upcast_block
 from pallas_kernels.reference import row_layers
 
 _LOG2E = math.log2(math.e)
@@ -99,11 +99,7 @@ def _scores_kernel(layer_ref, num_live_ref, page_tables_ref, q_ref, k_ref, o_ref
                                     k_bar.at[slot])
 
     def keys(slot):  # the wgmma operand of a staged block
-        if not wide:
-            return k_smem.at[slot]
-        wide[0][...] = upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), q_smem.dtype)
-        plgpu.commit_smem()
-        return wide[0]
+        return upcast_block(k_smem.at[slot], wide[0]) if wide else k_smem.at[slot]
 
     def refill(step):
         @pl.when(step + num_stages < 2 * num_blocks)
