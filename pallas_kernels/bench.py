@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_quant import is_fp8, upcast
+from pallas_kernels.kv_quant import is_fp8, round_queries, upcast
 from pallas_kernels.paged_decode import paged_decode
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.reference import gather_request_kv, masked_attention, paged_decode_ref, ragged_prefill_ref
@@ -118,17 +118,17 @@ def baseline_layouts(k_pool, v_pool, layer, tables):
 
 def decode_variants(specs) -> dict:
     """Specs -> row name -> keyword arguments of ``paged_decode``: ``mosaic`` (its defaults), then per spec
-    ``block_kv:stages:splits`` (splits 0: automatic), then FP8's flags: ``:overlap`` (``overlap_upcast``),
-    ``:fp8qk`` (``fp8_qk``)."""
-    flags = {"overlap": "overlap_upcast", "fp8qk": "fp8_qk"}
+    ``block_kv:stages:splits`` (splits 0: automatic), then FP8's flag ``:upcast`` (``fp8_qk=False``: exact queries,
+    K upcast to 16 bits for the q @ k^T wgmma)."""
+    flags = {"upcast": ("fp8_qk", False)}
     variants = {"mosaic": {}}
     for spec in specs:
         block_kv, stages, splits, *extra = spec.split(":")
         if not set(extra) <= set(flags):
-            raise ValueError(f"variants: {spec!r} is not block_kv:stages:splits[:overlap][:fp8qk]")
+            raise ValueError(f"variants: {spec!r} is not block_kv:stages:splits[:upcast]")
         variants[f"mosaic_b{block_kv}_s{stages}_k{splits}" + "".join(f"_{x}" for x in extra)] = dict(
             block_kv=int(block_kv), num_stages=int(stages), num_splits=int(splits) or None,
-            **{flags[x]: True for x in extra})
+            **dict(flags[x] for x in extra))
     return variants
 
 
@@ -159,14 +159,20 @@ def bench_decode(args):
         impls = implementations(layer, scale, page_size, tables.shape[1], variants)
         if fp8:  # only the Mosaic kernel and the reference read FP8 pages
             impls = {name: fn for name, fn in impls.items() if name.startswith("mosaic") or name == "xla_ref"}
+        exact_fn = jax.jit(impls["xla_ref"])
+        if fp8:  # what the engine computes over FP8 pools: e4m3 queries (kv_quant.round_queries)
+            impls["xla_ref"] = lambda q, st: paged_decode_ref(round_queries(q, num_kv_heads), st["k"], st["v"], layer,
+                                                              st["lens"], st["tables"], scale)
         ref_fn = jax.jit(impls["xla_ref"])
-        ref, ref_ragged = ref_fn(q, state), ref_fn(q, ragged_state)
+        refs = {False: (ref_fn(q, state), ref_fn(q, ragged_state))}
+        refs[True] = (exact_fn(q, state), exact_fn(q, ragged_state)) if fp8 else refs[False]
         for name, fn in impls.items():
             row = dict(kernel="decode", impl=name, batch=batch, ctx=ctx, page=page_size,
                        q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                        kv_dtype=jnp.dtype(args.kv_dtype).name)
 
             def measure(row, name=name, fn=fn):
+                ref, ref_ragged = refs[variants.get(name, {}).get("fp8_qk") is False]
                 jitted = jax.jit(fn)
                 row["rel_err"] = rel_err(jitted(q, state), ref)
                 if name.startswith(("mosaic", "triton")):
@@ -373,9 +379,9 @@ def main(argv=None):
                         help="the pool's dtype (FP8: the Mosaic kernels, the decode reference and cuDNN's prefill "
                              "over dense bf16 copies; GB/s count the bytes read)")
     parser.add_argument("--variants", type=lambda s: s.split(",") if s else [], default=[],
-                        help="extra decode configs block_kv:stages:splits[:overlap][:fp8qk] (splits 0 = automatic; "
-                             "FP8: overlap, the upcasts under the wgmmas; fp8qk, e4m3 queries and q @ k^T), comma "
-                             "separated")
+                        help="extra decode configs block_kv:stages:splits[:upcast] (splits 0 = automatic; FP8: "
+                             "upcast, exact queries and K upcast for q @ k^T, checked against exact queries' "
+                             "reference; the others against the reference over e4m3 queries), comma separated")
     parser.add_argument("--prefill-cases", type=lambda s: s.split(",") if s else [], default=PREFILL_CASES,
                         help="prompts packed into one prefill call, comma separated: NxL (N prompts of L tokens) or "
                              "NxA-B (lengths uniform in [A, B], seeded)")

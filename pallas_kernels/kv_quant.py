@@ -4,7 +4,9 @@ A pool slot holds ``x / scale`` in an 8-bit float; ``scale [2, L, Hkv]`` f32 (K'
 start-up. One scale per (layer, head) means nothing moves with a slot: compaction and swaps stay byte copies, and
 every kernel reads the raw 8-bit values upcast (exactly) to 16 bits, the scales folded outside it:
 ``q . (s_k k8) = (s_k q) . k8`` (the queries are scaled per head before the kernel) and ``p @ (s_v v8) = s_v (p @
-v8)`` (the output after it). Cosine similarity (key redundancy) does not see a per-head scale at all.
+v8)`` (the output after it). Cosine similarity (key redundancy) does not see a per-head scale at all. A decode's
+queries are rounded to e4m3 too (``round_queries``), as vLLM's FP8 attention does: it lets the decode kernel
+multiply them with the 8-bit keys as they land in shared memory.
 """
 
 import jax.numpy as jnp
@@ -51,3 +53,21 @@ def scale_outputs(out, v_scale):
     """Attention outputs ``[..., Hq, D]`` over dequantized values: times their KV head's V scale."""
     group = out.shape[-2] // v_scale.shape[0]
     return (out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]).astype(out.dtype)
+
+
+def quantize_queries(q_tiles, dtype=jnp.float8_e4m3fn):
+    """Decode queries over FP8 pages: ``q_tiles [B, Hkv, G, D]`` in ``dtype`` over one scale per (row, KV head), its
+    largest magnitude on the format's largest value; returns ``(q8, scale [B, Hkv] f32)``, ``q ~ scale * q8``."""
+    amax = jnp.max(jnp.abs(q_tiles.astype(jnp.float32)), axis=(2, 3))
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    return (q_tiles.astype(jnp.float32) / scale[..., None, None]).astype(dtype), scale
+
+
+def round_queries(q, num_kv_heads):
+    """``q [B, Hq, D]`` as a decode over FP8 pages reads it: in e4m3 over one scale per (row, KV head)
+    (``quantize_queries``), back in q's dtype. The Mosaic kernel multiplies the e4m3 queries with the 8-bit keys
+    directly (an FP8 wgmma, no upcast of K); every other decode path rounds its queries the same way, so that all
+    backends agree. Rounding again is a no-op (the scale and every value come back the same)."""
+    batch, num_q_heads, head_dim = q.shape
+    q8, scale = quantize_queries(q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim))
+    return (q8.astype(jnp.float32) * scale[..., None, None]).astype(q.dtype).reshape(q.shape)

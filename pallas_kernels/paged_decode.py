@@ -20,10 +20,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import is_fp8, upcast
+from pallas_kernels.kv_quant import is_fp8, quantize_queries, upcast
 
 TILE_ROWS = 64  # wgmma M: one warpgroup's tile of query rows.
 Q_ROW_TILE = 8  # rows of the shared-memory tiling: the query rows a CTA loads are padded to a multiple of it
+FP8_QK_HEAD_DIMS = (64, 128)  # an FP8 q @ k^T reads rows of D bytes under a D-byte swizzle (the lowering tests')
 _LOG2E = math.log2(math.e)
 
 
@@ -49,14 +50,6 @@ def upcast_block(staged, buffer, piece_rows=None):
         (buffer.at[part] if piece_rows else buffer)[...] = upcast(raw, buffer.dtype)
     plgpu.commit_smem()
     return buffer if rows == buffer.shape[0] else buffer.at[pl.ds(0, rows)]
-
-
-def quantize_queries(q_tiles, dtype=jnp.float8_e4m3fn):
-    """``fp8_qk``'s queries: ``q_tiles [B, Hkv, G, D]`` in ``dtype`` over one scale per (row, KV head), its largest
-    magnitude on the format's largest value; returns ``(q8, scale [B, Hkv] f32)``, ``q ~ scale * q8``."""
-    amax = jnp.max(jnp.abs(q_tiles.astype(jnp.float32)), axis=(2, 3))
-    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
-    return (q_tiles.astype(jnp.float32) / scale[..., None, None]).astype(dtype), scale
 
 
 def _check_inputs(q, k_pool, v_pool, kv_lens, page_tables):
@@ -90,8 +83,7 @@ def check_block_kv(block_kv, page_size, num_stages):
 
 
 def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, kv_head, kv_len, first_block,
-                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, overlap_upcast=False,
-                 q_scale=None):
+                 num_blocks, pos0, *, causal, sm_scale, block_kv, num_stages, page_size, q_scale=None):
     """Online-softmax attention of the 64-row query tile in ``q_smem`` (its TMA load signals ``q_bar``) over KV
     blocks ``[first_block, first_block + num_blocks)`` of ``request``'s pages.
 
@@ -103,13 +95,12 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
     be K-major, which V is not). K and V take turns in it: reading a wgmma's accumulator waits for the wgmma, so
     K's block is done with before V's is written, and the shared memory saved keeps two CTAs on an SM at more
     stages (more bytes in flight: an 8-bit block carries half of a 16-bit one's). The 8-bit tiles are staged
-    unswizzled and loaded in the wgmma layout: on an H100 that reads at 73-79 % of the 16-bit kernel's bandwidth,
-    where a 128-byte swizzle read by 32-bit loads (``Layout.WGMMA_UPCAST_2X``) reached 65-68 %
-    (docs/lab-notes/fp8-kv.md). ``overlap_upcast`` (FP8; not yet measured on a GPU) gives K and V a 16-bit buffer
-    each, so the upcasts leave the critical path: V's runs under the ``q @ k^T`` wgmma (its 8-bit slot is then
-    refilled at once), the next block's K under the ``p @ v`` wgmma. ``q_scale`` (FP8 queries in ``q_smem``,
-    ``quantize_queries``; not yet measured on a GPU): ``q @ k^T`` runs as an FP8 wgmma straight off the staged K
-    (K-major, as 8-bit operands must be), so only V is upcast, and the scores are scaled by ``q_scale`` after it.
+    unswizzled and loaded in the wgmma layout. ``q_scale`` (FP8 queries in ``q_smem``, ``quantize_queries``):
+    ``q @ k^T`` runs as an FP8 wgmma straight off the staged K (K-major, as 8-bit operands must be, its tiles
+    swizzled by the TMA), so only V is upcast, and the scores are scaled by ``q_scale`` after it. On an H100 that
+    reads at 89-90 % of the 16-bit kernel's bandwidth, where upcasting K too reached 73-77 %, a 128-byte swizzle read
+    by 32-bit loads 65-68 %, and upcasts moved under the wgmmas (a buffer each for K and V) no faster
+    (docs/lab-notes/fp8-kv.md).
     """
     head_dim = q_smem.shape[-1]
     dtype = jnp.bfloat16 if is_fp8(q_smem.dtype) else q_smem.dtype  # the 16-bit operands' (upcast V, p)
@@ -131,9 +122,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             plgpu.copy_gmem_to_smem(v_ref.at[layer, page, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
 
     fp8 = is_fp8(k_ref.dtype)
-    overlap = fp8 and overlap_upcast
     k_direct = fp8 and q_scale is not None  # q @ k^T in FP8: K is never upcast
-    upcast_k = fp8 and not k_direct
 
     def attend(k_smem, v_smem, p_smem, k_bar, v_bar, *wide):
         def upcast_into(smem, slot, buffer):  # a staged 8-bit block, exactly, as a 16-bit wgmma operand
@@ -147,12 +136,6 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             def _prologue():
                 issue(s, s, k_smem, v_smem, k_bar, v_bar)
 
-        if overlap and upcast_k:
-            @pl.when(num_blocks > 0)
-            def _first_k():
-                plgpu.barrier_wait(k_bar.at[0])
-                upcast_into(k_smem, 0, wide[0])
-
         plgpu.barrier_wait(q_bar)
         m_i = plgpu.layout_cast(jnp.full((TILE_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((TILE_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -161,24 +144,11 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         def step_fn(step, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(step, num_stages)
-            if overlap and upcast_k:
-                k_block = wide[0]  # upcast under the previous block's p @ v
-            else:
-                plgpu.barrier_wait(k_bar.at[slot])
-                k_block = k_smem.at[slot] if k_direct else block(k_smem, slot)
-            v_wide = wide[-1] if fp8 else None  # K's buffer too, unless the upcasts overlap (then K has wide[0])
-
-            def refill():
-                @pl.when(step + num_stages < num_blocks)
-                def _():
-                    issue(step + num_stages, slot, k_smem, v_smem, k_bar, v_bar)
+            plgpu.barrier_wait(k_bar.at[slot])
+            k_block = k_smem.at[slot] if k_direct else block(k_smem, slot)
 
             def qk_fn(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_block.T)
-                if overlap:  # V's upcast under the wgmma; both 8-bit blocks of the slot are then read
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    upcast_into(v_smem, slot, v_wide)
-                    refill()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_fn, plgpu.ACC((TILE_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
@@ -196,26 +166,20 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
             l_i = l_i * alpha + p.sum(axis=1)
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
-            if overlap:
-                v_block = v_wide
-            else:
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_block = upcast_into(v_smem, slot, v_wide) if fp8 else v_smem.at[slot]
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_block = block(v_smem, slot)
 
             def pv_fn(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_block)
-                if overlap and upcast_k:  # the next K under the wgmma (this block's q @ k^T is done with its buffer)
-                    @pl.when(step + 1 < num_blocks)
-                    def _next_k():
-                        next_slot = lax.rem(step + 1, num_stages)
-                        plgpu.barrier_wait(k_bar.at[next_slot])
-                        upcast_into(k_smem, next_slot, wide[0])
                 return acc_ref[...]
 
             pv = pl.run_scoped(pv_fn, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-            if not overlap:
-                refill()
+
+            @pl.when(step + num_stages < num_blocks)
+            def _refill():
+                issue(step + num_stages, slot, k_smem, v_smem, k_bar, v_bar)
+
             return acc, m_new, l_i
 
         return lax.fori_loop(0, num_blocks, step_fn, (acc, m_i, l_i))
@@ -225,7 +189,7 @@ def attend_pages(q_smem, q_bar, k_ref, v_ref, page_tables_ref, request, layer, k
         v_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype)
         k_buf = plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype,
                            transforms=swizzled_bytes(head_dim)) if k_direct else v_buf
-        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),) * (2 if overlap and upcast_k else 1)
+        wide = (plgpu.SMEM((block_kv, head_dim), dtype, transforms=swizzled()),)
     else:
         k_buf = v_buf = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=swizzled())
         wide = ()
@@ -287,18 +251,22 @@ def default_num_splits(batch, num_kv_heads, max_blocks, num_sms=132):
     return int(max(1, min(max_blocks, -(-2 * num_sms // ctas))))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "overlap_upcast",
-                                             "fp8_qk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages", "num_splits", "fp8_qk",
+                                             "interpret"))
 def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, block_kv=None, num_stages=2,
-                 num_splits=None, overlap_upcast=False, fp8_qk=False, interpret=False):
+                 num_splits=None, fp8_qk=None, interpret=False):
     """Decode attention: ``q [B, Hq, D]`` over slots ``[0, kv_lens[b])`` of its pages; same result as
-    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``; ``overlap_upcast`` and
-    ``fp8_qk``, which quantizes the queries to e4m3 (``quantize_queries``) for an FP8 ``q @ k^T``: ``attend_pages``).
-    ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
+    ``paged_decode_ref``. The pools are q's dtype or FP8 (unit-scale values: ``kv_quant``). ``fp8_qk`` quantizes the
+    queries to e4m3 (``quantize_queries``) for an FP8 ``q @ k^T`` (``attend_pages``); by default on FP8 pools of
+    the head dims an FP8 wgmma takes (``FP8_QK_HEAD_DIMS``), where the result is ``paged_decode_ref`` over
+    ``kv_quant.round_queries(q)``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
-    if fp8_qk and not is_fp8(k_pool.dtype):
-        raise ValueError(f"fp8_qk: needs FP8 pools, got {k_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
+    if fp8_qk is None:
+        fp8_qk = is_fp8(k_pool.dtype) and head_dim in FP8_QK_HEAD_DIMS
+    if fp8_qk and not (is_fp8(k_pool.dtype) and head_dim in FP8_QK_HEAD_DIMS):
+        raise ValueError(f"fp8_qk: needs FP8 pools of a head dim in {FP8_QK_HEAD_DIMS}, got {k_pool.dtype} pools "
+                         f"of head dim {head_dim}")
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
     if block_kv is None:
@@ -320,7 +288,7 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
         blocks_per_split=blocks_per_split, group=group, page_size=page_size,
-        overlap_upcast=overlap_upcast, fp8_qk=fp8_qk)
+        fp8_qk=fp8_qk)
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),

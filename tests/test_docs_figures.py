@@ -294,6 +294,22 @@ def test_fp8_pages_in_the_papers_regime_on_the_h100():
     assert_quotes(README, f"runs {ratio:.2f}× bf16 in the paper's regime ({halves:.2f}× over the second halves)")
 
 
+def test_fp8_decode_bandwidth_on_the_h100():
+    """Section 6's decode TB/s over FP8 pages, each row of one call's two reports, and the share of bf16's."""
+    def tb_s(dtype, impl):
+        rows = json.loads((ROOT / "docs" / "benchmarks" / f"fp8_kernels_h100_decode_qk_{dtype}.json").read_text())
+        return [r["tb_s"] for r in rows["rows"] if r["impl"] == impl]  # (64, 4k), (256, 4k), (64, 8k), (256, 8k)
+
+    bf16, upcast, fp8_qk = tb_s("bf16", "mosaic"), tb_s("e4m3", "mosaic"), tb_s("e4m3", "mosaic_b64_s2_k0_fp8qk")
+    quote = lambda values: " / ".join(f"{v:.2f}" for v in values)  # noqa: E731
+    for values in (bf16, upcast, fp8_qk):
+        assert len(values) == 4
+        assert_quotes(BENCHMARKS, quote(values))
+    shares = [round(100 * a / b) for a, b in zip(fp8_qk, bf16)]
+    assert_quotes(BENCHMARKS, f"{min(shares)}–{max(shares)} % of bf16's bandwidth")
+    assert min(shares) >= 80
+
+
 def test_fp8_accuracy_on_the_h100():
     here = section(BENCHMARKS, "11. Accuracy under compression")
     for task, label in (("repeated_addition", "repeated addition"), ("interleaved_sums", "interleaved sums")):

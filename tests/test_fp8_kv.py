@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import quantize, scale_outputs, scale_queries, scales_from_amax, upcast
+from pallas_kernels.kv_quant import (quantize, round_queries, scale_outputs, scale_queries, scales_from_amax,
+                                     upcast)
 from pallas_kernels.reference import paged_decode_ref, ragged_prefill_ref
 from zipage_jax.compression import compaction, scoring
 from zipage_jax.config import EngineConfig
@@ -123,14 +124,14 @@ def test_kv_cache_dtype_is_validated_and_counts_one_byte_a_value():
     assert "pages of float8_e4m3fn" in fp8.describe() and fp8.as_dict()["kv_dtype"] == "float8_e4m3fn"
 
 
-@pytest.mark.parametrize("num_splits, num_stages, kv_lens, overlap", [
-    (2, 2, (70, 0, 33), False), (1, 3, (250, 0, 33), False), (1, 2, (250, 0, 33), True), (2, 1, (150, 0, 33), True)])
-def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap, page_size=16, block_kv=64):
-    """Interpret mode: the Mosaic decode kernel over FP8 pages (upcast in shared memory, K and V taking turns in
-    one buffer, or with ``overlap_upcast`` a buffer each, upcast under the wgmmas; more blocks than stages from the
-    second case on, one stage in the last) equals the reference over the same pages (relative L2 error under 1e-2,
-    as the 16-bit kernel's test: the probabilities are rounded to bf16 for the wgmma); the overlapped upcast at one
-    stage (its refill and next K's wait in one slot) with the race detector on."""
+@pytest.mark.parametrize("num_splits, num_stages, kv_lens", [(2, 2, (70, 0, 33)), (1, 3, (250, 0, 33)),
+                                                             (2, 1, (150, 0, 33))])
+def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, page_size=16, block_kv=64):
+    """Interpret mode: the Mosaic decode kernel over FP8 pages with exact queries (``fp8_qk=False``: K and V upcast
+    in shared memory, taking turns in one buffer; more blocks than stages from the second case on) equals the
+    reference over the same pages (relative L2 error under 1e-2, as the 16-bit kernel's test: the probabilities are
+    rounded to bf16 for the wgmma); at one stage (a slot refilled right after its V is read) with the race
+    detector on."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
     from pallas_kernels.paged_decode import paged_decode
@@ -142,25 +143,26 @@ def test_decode_kernel_reads_fp8_pages(num_splits, num_stages, kv_lens, overlap,
     tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], pages_per_row, pages))
     q = jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16)
     lens = jnp.asarray(kv_lens, jnp.int32)
-    races = overlap and num_stages == 1
+    races = num_stages == 1
     interpret = INTERPRET
     if races:
         gpu_interpret.reset_gpu_interpret_mode_state()
         interpret = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
     out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=block_kv, num_splits=num_splits,
-                       num_stages=num_stages, overlap_upcast=overlap, interpret=interpret)
+                       num_stages=num_stages, fp8_qk=False, interpret=interpret)
     want = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5)
     assert_close(out, want, "above")
     assert not (races and gpu_interpret.get_races().races_found), "data race between the copies and the upcasts"
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_decode_kernel_with_fp8_queries(overlap, page_size=16):
-    """Interpret mode: with ``fp8_qk`` (queries in e4m3, one scale per row and KV head; q @ k^T straight off the
-    staged FP8 keys) the kernel equals the reference over the same quantized queries (relative L2 under 1e-2, as
-    above), and it stays within 5e-2 of the exact queries' output when the queries carry the engine's K scales
-    (e4m3's 3 mantissa bits move each logit by up to 2^-4 of sum |q_d k_d| sm_scale: 2-3e-2 here)."""
-    from pallas_kernels.paged_decode import paged_decode, quantize_queries
+def test_decode_kernel_with_fp8_queries(page_size=16):
+    """Interpret mode: by default over FP8 pools the kernel reads e4m3 queries (one scale per row and KV head; q @
+    k^T straight off the staged FP8 keys) and equals the reference over the same rounded queries (relative L2 under
+    1e-2, as above), which is the engine's reference decode over FP8 pools; it stays within 5e-2 of the exact
+    queries' output when the queries carry the engine's K scales (e4m3's 3 mantissa bits move each logit by up to
+    2^-4 of sum |q_d k_d| sm_scale: 2-3e-2 here)."""
+    from pallas_kernels.paged_decode import paged_decode
+    from zipage_jax.layers.attention import REFERENCE
     rng = seeded_rng()
     hkv, d, group, kv_lens = 2, 64, 4, (250, 0, 33)
     pages_per_row = max(-(-n // page_size) for n in kv_lens) + 1
@@ -169,29 +171,43 @@ def test_decode_kernel_with_fp8_queries(overlap, page_size=16):
     tables = jnp.asarray(shuffled_page_tables(rng, [-(-n // page_size) for n in kv_lens], pages_per_row, pages))
     q = scale_queries(jnp.asarray(rng.standard_normal((len(kv_lens), hkv * group, d)), jnp.bfloat16), scales[0, 1])
     lens = jnp.asarray(kv_lens, jnp.int32)
-    out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=64, num_splits=2, fp8_qk=True,
-                       overlap_upcast=overlap, interpret=INTERPRET)
-    q8, q_scale = quantize_queries(q.reshape(len(kv_lens), hkv, group, d))
-    rounded = (q8.astype(jnp.float32) * q_scale[..., None, None]).reshape(q.shape).astype(q.dtype)
-    assert_close(out, paged_decode_ref(rounded, k8, v8, 1, lens, tables, d ** -0.5), "above")
+    out = paged_decode(q, k8, v8, 1, lens, tables, d ** -0.5, block_kv=64, num_splits=2, interpret=INTERPRET)
+    engine_reference = REFERENCE.decode(q, k8, v8, 1, lens, tables, d ** -0.5)
+    assert_close(engine_reference, paged_decode_ref(round_queries(q, hkv), k8, v8, 1, lens, tables, d ** -0.5), 1e-6)
+    assert_close(out, engine_reference, "above")
     exact = paged_decode_ref(q, k8, v8, 1, lens, tables, d ** -0.5).astype(jnp.float32)
     assert float(jnp.linalg.norm(out.astype(jnp.float32) - exact) / jnp.linalg.norm(exact)) < 5e-2
     with pytest.raises(ValueError, match="fp8_qk"):
         paged_decode(q, upcast(k8), upcast(v8), 1, lens, tables, 0.1, fp8_qk=True, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("head_dim, overlap, fp8_qk", [(64, False, False), (128, False, False), (128, True, False),
-                                                      (64, False, True), (128, True, True)])
-def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, overlap, fp8_qk):
+def test_rounded_queries_are_e4m3_values_and_round_again_to_themselves():
+    """``round_queries``: each (row, KV head) group's largest magnitude is kept, every value moves by at most half
+    an e4m3 step (2^-4 of its magnitude, or 2^-10 of the scale in the subnormal range), and rounding the result
+    again changes nothing (the Mosaic decode re-quantizes what the backends' wrapper rounded)."""
+    rng = seeded_rng()
+    b, hkv, group, d = 5, 2, 4, 64
+    q = jnp.asarray(rng.standard_normal((b, hkv * group, d)) * np.exp(rng.uniform(-3, 3, (b, hkv * group, 1))),
+                    jnp.bfloat16)
+    rounded = round_queries(q, hkv)
+    x, y = (np.asarray(a, np.float32).reshape(b, hkv, group * d) for a in (q, rounded))
+    amax = np.abs(x).max(-1, keepdims=True)
+    np.testing.assert_allclose(np.abs(y).max(-1, keepdims=True), amax, rtol=2 ** -8)
+    assert (np.abs(y - x) <= np.maximum(2 ** -4 * np.abs(x), 2 ** -10 * amax / 448) * 1.01 + 1e-30).all()
+    assert not np.array_equal(x, y)
+    np.testing.assert_array_equal(np.asarray(round_queries(rounded, hkv), np.float32), np.asarray(rounded, np.float32))
+
+
+@pytest.mark.parametrize("head_dim, fp8_qk", [(64, False), (128, False), (64, None), (128, None)])
+def test_decode_kernel_over_fp8_pages_lowers_for_hopper(head_dim, fp8_qk):
     """Interpret mode ignores shared-memory layouts: lowering for CUDA (no GPU needed) runs Mosaic's layout inference
-    and checks the staging's tiling against the loads."""
+    and checks the staging's tiling against the loads (None: the default, e4m3 queries and an FP8 q @ k^T)."""
     from jax import export
 
     from pallas_kernels.paged_decode import paged_decode
     batch, hkv, pages_per_row, page_size = 2, 2, 4, 256
     arg = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1,
-                                                                       overlap_upcast=overlap, fp8_qk=fp8_qk))
+    fn = jax.jit(lambda q, k, v, lens, tables: paged_decode(q, k, v, 1, lens, tables, 0.1, fp8_qk=fp8_qk))
     pool = arg((2, batch * pages_per_row + 1, hkv, page_size, head_dim), jnp.float8_e4m3fn)
     lowered = export.export(fn, platforms=("cuda",))(
         arg((batch, 4 * hkv, head_dim), jnp.bfloat16), pool, pool, arg((batch,), jnp.int32),

@@ -218,13 +218,11 @@ def test_snake_order_evens_one_long_prompt():
 
 
 def test_bench_decode_rows_name_their_knobs():
-    rows = decode_variants(["128:3:0", "64:2:4:overlap", "64:2:0:fp8qk:overlap"])
+    rows = decode_variants(["128:3:0", "64:2:4:upcast"])
     assert rows == {"mosaic": {}, "mosaic_b128_s3_k0": dict(block_kv=128, num_stages=3, num_splits=None),
-                    "mosaic_b64_s2_k4_overlap": dict(block_kv=64, num_stages=2, num_splits=4, overlap_upcast=True),
-                    "mosaic_b64_s2_k0_fp8qk_overlap": dict(block_kv=64, num_stages=2, num_splits=None, fp8_qk=True,
-                                                           overlap_upcast=True)}
+                    "mosaic_b64_s2_k4_upcast": dict(block_kv=64, num_stages=2, num_splits=4, fp8_qk=False)}
     with pytest.raises(ValueError, match="variants"):
-        decode_variants(["64:2:0:swizzled"])
+        decode_variants(["64:2:0:overlap"])
 
 
 def test_bench_prefill_rows_switch_each_lever_off():

@@ -20,9 +20,26 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference
-from pallas_kernels.kv_quant import is_fp8, upcast
+from pallas_kernels.kv_quant import is_fp8, round_queries, upcast
 from zipage_jax.compression import compaction, scoring, selection
 from zipage_jax.parallel import AXIS, KV_HEADS
+
+
+def with_fp8_queries(decode: Callable) -> Callable:
+    """A decode that reads e4m3 queries over FP8 pools (``kv_quant.round_queries``), whatever its backend: the
+    Mosaic kernel multiplies them with the 8-bit keys directly (an FP8 wgmma: on an H100 89-90 % of the 16-bit
+    kernel's bandwidth, where upcasting K reached 73-77 %), and every other path rounds them the same way, so the
+    backends agree. 16-bit pools: the queries as they are."""
+
+    def attend(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
+        if is_fp8(k_pool.dtype):
+            q = round_queries(q, k_pool.shape[2])
+        return decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
+
+    return attend
+
+
+REFERENCE_DECODE = with_fp8_queries(reference.paged_decode_ref)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +48,8 @@ class AttentionBackend:
     ``[L, num_pages, Hkv, S, D]`` of which the kernels read or write one ``layer``:
 
     - ``write_kv(k_pool, v_pool, layer, slot_mapping, k, v) -> (k_pool, v_pool)``: new K/V rows into flat slots;
-    - ``decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale) -> out``: one query token a row;
+    - ``decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale) -> out``: one query token a row (over
+      FP8 pools its queries in e4m3: ``with_fp8_queries``);
     - ``prefill(q, k_pool, v_pool, layer, cu_q_lens, kv_lens, page_tables, sm_scale) -> out``: packed chunks;
     - ``window_scores(k_pool, layer, page_tables, num_live, queries, sm_scale) -> [B, Hkv, N]``: compression's
       window attention A;
@@ -46,7 +64,7 @@ class AttentionBackend:
 
     name: str = "reference"
     write_kv: Callable = reference.write_kv_ref
-    decode: Callable = reference.paged_decode_ref
+    decode: Callable = REFERENCE_DECODE
     prefill: Callable = reference.ragged_prefill_ref
     window_scores: Callable = scoring.paged_window_attention
     lightning_row_sums: Callable = scoring.paged_lightning_row_sums
@@ -175,7 +193,7 @@ def mosaic_backends() -> dict:
         return k_selection.selection_threshold(key, keep)
 
     decode_only = AttentionBackend(
-        name="mosaic_decode", decode=paged_decode.paged_decode, window_scores=k_scoring.window_scores,
+        name="mosaic_decode", decode=with_fp8_queries(paged_decode.paged_decode), window_scores=k_scoring.window_scores,
         lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
         compact_slots=compaction_by_rows(k_compaction.compact_slots), fused_compression=True)
     full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
@@ -192,7 +210,7 @@ def triton_backends() -> dict:
         raise ValueError("attention_backend: 'triton' needs jax-triton and triton "
                          f"(pip install 'zipage_jax[ampere]'); import failed: {e}") from e
     return {"triton": AttentionBackend(
-        name="triton", decode=fp8_through_reference(triton_decode.paged_decode, reference.paged_decode_ref),
+        name="triton", decode=fp8_through_reference(triton_decode.paged_decode, REFERENCE_DECODE),
         prefill=fp8_prefill_through_copies(triton_prefill.ragged_prefill))}
 
 
