@@ -8,10 +8,10 @@
 #     5-50 %, sinks and a recent window kept), for TRAIN_SECONDS (300: ~1250 steps at ~240 ms); then calibrates the
 #     checkpoint's query centres (query_centres.npz, what eviction_policy=triattention reads) on all three tasks and
 #     runs full KV on PROBLEMS=400 held-out problems per task. Writes train.log, tiny-reasoner.tgz, eval_<task>.json,
-#     eval.log. INIT=outputs/third_task/tiny-reasoner.tgz (carried) continues an earlier call's checkpoint: run it
-#     again while a task's conclusion loss in train.log still falls or full KV is under 99 %.
+#     eval.log. INIT=docs/accuracy_lab/third_task/tiny-reasoner.tgz (the first call's, in the tree) continues an
+#     earlier checkpoint: run it again while a task's conclusion loss in train.log still falls or full KV is < 99 %.
 #
-#   STAGE=ablate PART=1..3 MODEL=outputs/third_task/tiny-reasoner.tgz OUT=... bash scripts/gpu_third_task.sh
+#   STAGE=ablate PART=1..3 MODEL=docs/accuracy_lab/third_task/tiny-reasoner.tgz OUT=... bash scripts/gpu_third_task.sh
 #     The ablation: three tasks x budgets M = 2,4,6,10 pages of 16 (~5/10/15/25 % of the ~620-token mean output)
 #     x default, rkv-like, triattention-like, window, prompt + window; 400 held-out problems a cell. Part 1: full KV,
 #     default, rkv-like; part 2: triattention, window-only; part 3: prompt + window, one sweep per task (sinks = that
@@ -63,7 +63,7 @@ train)
   rm -rf "$ckpt"
   ;;
 ablate)
-  model=$(unpack "${MODEL:-outputs/third_task/tiny-reasoner.tgz}")
+  model=$(unpack "${MODEL:-docs/accuracy_lab/third_task/tiny-reasoner.tgz}")
   [ -f "$model/model.safetensors" ] || { echo "MODEL: no checkpoint at $model"; exit 1; }
   [ -f "$model/query_centres.npz" ] || { echo "MODEL: no query_centres.npz (STAGE=train calibrates it)"; exit 1; }
   part=${PART:-1}
