@@ -310,6 +310,13 @@ def test_fp8_decode_bandwidth_on_the_h100():
     assert min(shares) >= 80
 
 
+def test_fp8_query_rounding_accuracy_on_the_cpu():
+    report = json.loads((ROOT / "docs" / "accuracy_lab" / "fp8_query_rounding_cpu.json").read_text())
+    acc = {r["budget"]: 100 * r["accuracy"] for r in report["results"]}
+    assert report["data"] == ["synthetic:repeated_addition:test:400"] and set(acc) == {6, 20, None}
+    assert_quotes(BENCHMARKS, f"full KV / M=6 / M=20 {acc[None]:.1f} / {acc[6]:.1f} / {acc[20]:.1f} %")
+
+
 def test_fp8_accuracy_on_the_h100():
     here = section(BENCHMARKS, "11. Accuracy under compression")
     for task, label in (("repeated_addition", "repeated addition"), ("interleaved_sums", "interleaved sums")):
