@@ -9,6 +9,7 @@ queries are rounded to e4m3 too (``round_queries``), as vLLM's FP8 attention doe
 multiply them with the 8-bit keys as they land in shared memory.
 """
 
+import jax
 import jax.numpy as jnp
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -67,7 +68,10 @@ def round_queries(q, num_kv_heads):
     """``q [B, Hq, D]`` as a decode over FP8 pages reads it: in e4m3 over one scale per (row, KV head)
     (``quantize_queries``), back in q's dtype. The Mosaic kernel multiplies the e4m3 queries with the 8-bit keys
     directly (an FP8 wgmma, no upcast of K); every other decode path rounds its queries the same way, so that all
-    backends agree. Rounding again is a no-op (the scale and every value come back the same)."""
+    backends agree. Rounding again is a no-op (the scale and every value come back the same). The e4m3 values pass
+    an optimization barrier: XLA's GPU compiler may drop a ``f32 -> e4m3 -> f32`` round trip as excess precision
+    (``xla_allow_excess_precision``), and then nothing would be rounded (a kernel's 8-bit operand is always real)."""
     batch, num_q_heads, head_dim = q.shape
     q8, scale = quantize_queries(q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim))
+    q8 = jax.lax.optimization_barrier(q8)
     return (q8.astype(jnp.float32) * scale[..., None, None]).astype(q.dtype).reshape(q.shape)
