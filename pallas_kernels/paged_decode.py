@@ -262,9 +262,10 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
     ``kv_quant.round_queries(q)``. ``interpret`` may be ``plgpu.InterpretGPUParams()`` to run on CPU."""
     _check_inputs(q, k_pool, v_pool, kv_lens, page_tables)
     batch, num_q_heads, head_dim = q.shape
+    fp8_wgmma_fits = is_fp8(k_pool.dtype) and head_dim in FP8_QK_HEAD_DIMS
     if fp8_qk is None:
-        fp8_qk = is_fp8(k_pool.dtype) and head_dim in FP8_QK_HEAD_DIMS
-    if fp8_qk and not (is_fp8(k_pool.dtype) and head_dim in FP8_QK_HEAD_DIMS):
+        fp8_qk = fp8_wgmma_fits
+    if fp8_qk and not fp8_wgmma_fits:
         raise ValueError(f"fp8_qk: needs FP8 pools of a head dim in {FP8_QK_HEAD_DIMS}, got {k_pool.dtype} pools "
                          f"of head dim {head_dim}")
     num_kv_heads, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -287,8 +288,7 @@ def paged_decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale, *, bl
         q_scales = (q_scale,)
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_stages=num_stages,
-        blocks_per_split=blocks_per_split, group=group, page_size=page_size,
-        fp8_qk=fp8_qk)
+        blocks_per_split=blocks_per_split, group=group, page_size=page_size, fp8_qk=fp8_qk)
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),

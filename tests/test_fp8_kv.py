@@ -184,7 +184,7 @@ def test_decode_kernel_with_fp8_queries(page_size=16):
 def test_rounded_queries_are_e4m3_values_and_round_again_to_themselves():
     """``round_queries``: each (row, KV head) group's largest magnitude is kept, every value moves by at most half
     an e4m3 step (2^-4 of its magnitude, or 2^-10 of the scale in the subnormal range), and rounding the result
-    again changes nothing (the Mosaic decode re-quantizes what the backends' wrapper rounded)."""
+    again changes nothing (so the Mosaic kernel's own quantization and the other backends' rounding agree)."""
     rng = seeded_rng()
     b, hkv, group, d = 5, 2, 4, 64
     q = jnp.asarray(rng.standard_normal((b, hkv * group, d)) * np.exp(rng.uniform(-3, 3, (b, hkv * group, 1))),
@@ -200,6 +200,22 @@ def test_rounded_queries_are_e4m3_values_and_round_again_to_themselves():
     # precision: an H100 run found the reference as far from the kernel as exact queries' output is, 2.4e-2)
     hlo = jax.jit(round_queries, static_argnums=1).lower(q, hkv).as_text()
     assert "optimization_barrier" in hlo and "f8E4M3FN" in hlo
+
+
+def test_fp8_decode_rounds_queries_once():
+    """``with_fp8_queries`` rounds a decode's queries over FP8 pools, except at the head dims where the decode
+    quantizes its own (the Mosaic kernel's FP8 q @ k^T), and never over 16-bit pools."""
+    from zipage_jax.layers.attention import with_fp8_queries
+    rng = seeded_rng()
+    seen = []
+    decode = with_fp8_queries(lambda q, *args: seen.append(q) or q, rounds_own_head_dims=(64,))
+    for head_dim, pool_dtype, rounded in ((32, E4M3, True), (64, E4M3, False), (32, jnp.bfloat16, False)):
+        q = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.bfloat16)
+        pool = jnp.zeros((1, 2, 2, 16, head_dim), pool_dtype)
+        decode(q, pool, pool, 0, None, None, 0.1)
+        want = round_queries(q, 2) if rounded else q
+        np.testing.assert_array_equal(np.asarray(seen[-1], np.float32), np.asarray(want, np.float32))
+        assert rounded == (not np.array_equal(np.asarray(seen[-1], np.float32), np.asarray(q, np.float32)))
 
 
 @pytest.mark.parametrize("head_dim, fp8_qk", [(64, False), (128, False), (64, None), (128, None)])

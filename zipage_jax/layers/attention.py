@@ -25,14 +25,15 @@ from zipage_jax.compression import compaction, scoring, selection
 from zipage_jax.parallel import AXIS, KV_HEADS
 
 
-def with_fp8_queries(decode: Callable) -> Callable:
+def with_fp8_queries(decode: Callable, rounds_own_head_dims: tuple[int, ...] = ()) -> Callable:
     """A decode that reads e4m3 queries over FP8 pools (``kv_quant.round_queries``), whatever its backend: the
     Mosaic kernel multiplies them with the 8-bit keys directly (an FP8 wgmma: on an H100 89-90 % of the 16-bit
     kernel's bandwidth, where upcasting K reached 73-77 %), and every other path rounds them the same way, so the
-    backends agree. 16-bit pools: the queries as they are."""
+    backends agree. ``rounds_own_head_dims``: head dims where ``decode`` quantizes its queries itself (the same
+    quantization), so they are not rounded twice. 16-bit pools: the queries as they are."""
 
     def attend(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale):
-        if is_fp8(k_pool.dtype):
+        if is_fp8(k_pool.dtype) and q.shape[-1] not in rounds_own_head_dims:
             q = round_queries(q, k_pool.shape[2])
         return decode(q, k_pool, v_pool, layer, kv_lens, page_tables, sm_scale)
 
@@ -193,8 +194,8 @@ def mosaic_backends() -> dict:
         return k_selection.selection_threshold(key, keep)
 
     decode_only = AttentionBackend(
-        name="mosaic_decode", decode=with_fp8_queries(paged_decode.paged_decode), window_scores=k_scoring.window_scores,
-        lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
+        name="mosaic_decode", decode=with_fp8_queries(paged_decode.paged_decode, paged_decode.FP8_QK_HEAD_DIMS),
+        window_scores=k_scoring.window_scores, lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
         compact_slots=compaction_by_rows(k_compaction.compact_slots), fused_compression=True)
     full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
     return {"mosaic_decode": decode_only, "mosaic": full}
