@@ -22,8 +22,9 @@ SHAPES = {
         (["full KV", "budget", "accuracy", "peak pages / request", "compressions / request"], 0),
         (None, 1),                                                                       # pages held over time
         (["budget (pages)", "compressed (zipage scoring)", "window-only eviction"], 1),  # accuracy against budget
-        (["| rkv-like |", "| window-only |", "synthetic:test:64", "synthetic:interleaved_sums:test:400",
-          "notebook ran in"], 2),                                                        # the two saved sweeps
+        (["| rkv-like |", "| window-only |", "| triattention |", "synthetic:test:64",
+          "synthetic:interleaved_sums:test:400", "synthetic:stored_product:test:400", "notebook ran in"], 3),
+                                                                                         # the three saved sweeps
     ],
     "gpu_benchmark.ipynb": [
         (None, 0),                                                                       # the install
