@@ -195,8 +195,9 @@ def mosaic_backends() -> dict:
 
     decode_only = AttentionBackend(
         name="mosaic_decode", decode=with_fp8_queries(paged_decode.paged_decode, paged_decode.FP8_QK_HEAD_DIMS),
-        window_scores=k_scoring.window_scores, lightning_row_sums=redundancy.lightning_row_sums, selection_threshold=selection_threshold,
-        compact_slots=compaction_by_rows(k_compaction.compact_slots), fused_compression=True)
+        window_scores=k_scoring.window_scores, lightning_row_sums=redundancy.lightning_row_sums,
+        selection_threshold=selection_threshold, compact_slots=compaction_by_rows(k_compaction.compact_slots),
+        fused_compression=True)
     full = dataclasses.replace(decode_only, name="mosaic", prefill=ragged_prefill.ragged_prefill)
     return {"mosaic_decode": decode_only, "mosaic": full}
 
