@@ -18,8 +18,12 @@
 #     x default, rkv-like, triattention-like, window, prompt + window; 400 held-out problems a cell. Part 1: full KV,
 #     default, rkv-like; part 2: triattention, window-only; part 3: prompt + window, one sweep per task (sinks = that
 #     task's prompt, 36 / 45 / 53 tokens, protected window 4, so budgets from M=4: at M=2 the prompt alone is more
-#     than the budget), then the cost of the triattention scores at qwen3-8b's shapes against a decode step
-#     (bench trig-scores). Writes sweep_part<PART>[_<task>].json / .log and trig_cost.json.
+#     than the budget), then STAGE=trig-cost. Writes sweep_part<PART>[_<task>].json / .log.
+#
+#   STAGE=trig-cost OUT=... bash scripts/gpu_third_task.sh   (about two minutes)
+#     What the triattention scores (jnp path) cost against a decode step at qwen3-8b's shapes (bench trig-scores):
+#     pages of 16 (B = 64, 256, M = 16) and the paper's regime, pages of 256 (B = 64, M = 8). Writes
+#     trig_cost_page16.json / trig_cost_page256.json and their logs.
 #
 #   STAGE=merge OUT=dir-with-the-parts bash scripts/gpu_third_task.sh   (here, on CPU: no device)
 #     One table (sweep.md) and plot (sweep.png) of every part, relative to part 1's full KV.
@@ -76,8 +80,7 @@ ablate)
         --config "prompt-window:eviction_policy=window,sink_tokens=${prompt_len[$task]},window=4" \
         --output "$OUT/sweep_part3_$task.json" 2>&1 | grep -v Warning | tee "$OUT/sweep_part3_$task.log"
     done
-    timeout "$(left)" python3 -m zipage_jax.bench trig-scores --shape qwen3-8b --batch 64,256 --budget 16 \
-      --json "$OUT/trig_cost.json" 2>&1 | grep -v Warning | tee "$OUT/trig_cost.log"
+    DEADLINE=$(left) STAGE=trig-cost bash "$0"
     exit 0
   fi
   specs=()
@@ -86,6 +89,13 @@ ablate)
   timeout "$(left)" python3 -m zipage_jax.bench sweep --model "$model" "${data[@]}" --budgets "${BUDGETS:-2,4,6,10}" \
     "${engine[@]}" --deadline-s $(( $(left) - ${CONFIG_SECONDS:-200} )) "${specs[@]}" \
     --output "$OUT/sweep_part$part.json" 2>&1 | grep -v Warning | tee "$OUT/sweep_part$part.log"
+  ;;
+trig-cost)  # pages of 16 (the lab's) and of 256 (the paper's regime, M=8: a compression every 256 decode steps)
+  for shape in "64,256 16 16" "64 8 256"; do
+    read -r batch budget page <<< "$shape"
+    timeout "$(left)" python3 -m zipage_jax.bench trig-scores --shape qwen3-8b --batch "$batch" --budget "$budget" \
+      --page "$page" --json "$OUT/trig_cost_page$page.json" 2>&1 | grep -v Warning | tee "$OUT/trig_cost_page$page.log"
+  done
   ;;
 merge)
   python3 - "$OUT" <<'PY'
@@ -106,5 +116,5 @@ print(table(report))
 print("skipped (deadline):", ", ".join(report["skipped"]) or "none")
 PY
   ;;
-*) echo "STAGE must be train, ablate or merge"; exit 2 ;;
+*) echo "STAGE must be train, ablate, trig-cost or merge"; exit 2 ;;
 esac

@@ -40,7 +40,7 @@ def shapes_bytes(m, c, itemsize):
     keeps_scores = c.scoring.eviction_policy == "zipage" and c.scoring.global_score
     page += np.prod([m.num_layers, kv_heads, c.page_size]) * 4 if keeps_scores else 0
     slot = np.prod([m.num_layers, c.scoring.window, q_heads, m.head_dim]) * itemsize
-    return int(page), int(slot)
+    return int(page), int(slot) if c.scoring.eviction_policy == "zipage" else 0  # the only policy reading queries
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(global_score=False, window=8), dict(num_query_rows=3),
@@ -94,17 +94,21 @@ def test_device_budget_reserves_step_and_compression_scratch():
     assert hybrid.max_concurrency == 8 and constrained.max_concurrency == constrained.num_query_rows
 
 
-def test_window_policy_holds_and_reserves_no_score_cache():
-    """Recent-window eviction never reads a score history: no score cache on the device, no bytes for one in
-    the plan (pages, compression scratch, swap staging), no scores in a swap."""
+def test_window_policy_holds_and_reserves_no_score_or_query_cache():
+    """Recent-window eviction never reads a score history or window queries: no score cache and no query cache on
+    the device, no bytes for them in the plan (pages, query rows, compression scratch, swap staging), none in a
+    swap, whose round trip still restores the pages; its query rows still commit their holders' pages."""
     device = FakeDevice(device_memory.HEADROOM_BYTES + 5_000_000, 0)
     window, zipage = config(eviction_policy="window"), config()
     plans = {c.scoring.eviction_policy: kv_cache.plan_memory(c, CFG, jnp.float32, 256, device=device, allocator=OURS)
              for c in (window, zipage)}
     kv_only, slot = shapes_bytes(CFG, window, 4)
+    assert slot == 0 and shapes_bytes(CFG, zipage, 4)[1] > 0
     assert plans["window"].page_bytes == kv_only == np.prod([CFG.num_layers, CFG.num_kv_heads, 16, CFG.head_dim]) * 8
     assert plans["zipage"].page_bytes == kv_only + CFG.num_layers * CFG.num_kv_heads * 16 * 4
-    assert plans["window"].reserved_swap_bytes == 3 * kv_only + slot
+    assert plans["window"].reserved_swap_bytes == 3 * kv_only
+    assert (plans["window"].query_row_bytes, plans["window"].query_cache_bytes) == (0, 0)
+    assert plans["window"].num_query_rows >= 1 and plans["zipage"].query_cache_bytes > 0
     no_history = kv_cache.compression_scratch_bytes(CFG, config(global_score=False), jnp.float32, 64)
     assert kv_cache.compression_scratch_bytes(CFG, window, jnp.float32, 64) == no_history
     assert no_history < kv_cache.compression_scratch_bytes(CFG, zipage, jnp.float32, 64)
@@ -112,11 +116,18 @@ def test_window_policy_holds_and_reserves_no_score_cache():
                            compression=True, kv_budget_pages=2, eviction_policy=policy,
                            compilation_cache_dir=None).engine for policy in ("window", "zipage")}
     worker = engines["window"].worker
-    assert worker.state.score_cache.size == 1  # a stand-in
-    assert engines["zipage"].worker.state.score_cache.shape == (CFG.num_layers, engines["zipage"].num_pages,
-                                                                CFG.num_kv_heads, 16)
-    k, _, scores, _ = worker.swap_out([1, 2], 0)
-    assert k.shape[1] == 2 and scores.ndim == 0
+    assert worker.state.score_cache.size == 1 and worker.state.query_cache.size == 1  # stand-ins
+    zipage_state, num_pages = engines["zipage"].worker.state, engines["zipage"].num_pages
+    assert zipage_state.score_cache.shape == (CFG.num_layers, num_pages, CFG.num_kv_heads, 16)
+    assert zipage_state.query_cache.shape == (CFG.num_layers, engines["zipage"].memory_plan.num_query_rows + 1,
+                                              zipage.scoring.window, CFG.num_heads, CFG.head_dim)
+    rng = seeded_rng()
+    k_pool = rng.standard_normal(worker.state.k_pool.shape).astype(np.float32)
+    worker.state = worker.state.replace(k_pool=jnp.asarray(k_pool, worker.state.k_pool.dtype))
+    k, v, scores, queries = worker.swap_out([1, 2], 0)
+    assert k.shape[1] == 2 and scores.ndim == 0 and queries.ndim == 0
+    worker.swap_in([3, 4], 0, (k, v, scores, queries))
+    np.testing.assert_array_equal(np.asarray(worker.state.k_pool[:, 3:5]), k_pool[:, 1:3])
 
 
 # -- the engine's share of a card (vLLM's rule) -------------------------------------------------------------------

@@ -28,6 +28,8 @@ def llm():
 def test_generates_with_bounded_pages_shared_prefix_intact_and_no_leaks(llm):
     engine = llm.engine
     assert engine.worker.state.query_centres.mean.shape == (6, 8, 32)
+    # scored from the keys alone: no window queries recorded, no bytes for them in the plan
+    assert engine.worker.state.query_cache.size == 1 and engine.memory_plan.query_cache_bytes == 0
     questions = [p.question for p in sample_problems(5, seed=fresh_seed(), split="test")]
     prefix = engine.tokenizer.encode(chat_prompt(questions[0]), add_special_tokens=False)
     llm.generate([prefix], dataclasses.replace(GREEDY, max_tokens=1), use_tqdm=False)  # fills the prefix cache

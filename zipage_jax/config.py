@@ -46,6 +46,12 @@ class ScoringConfig:
         """Whether a compression reads (decayed history) and writes (kept slots' scores) the score cache."""
         return self.eviction_policy == "zipage" and self.global_score
 
+    @property
+    def reads_window_queries(self) -> bool:
+        """Whether a compression scores with the recent queries (attention scores); the window and query-free
+        policies score from the keys alone."""
+        return self.eviction_policy == "zipage"
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -187,6 +193,12 @@ class EngineConfig:
         allocation, its share of the memory plan and its swaps all follow this one answer."""
         return self.compression and self.scoring.tracks_history
 
+    @property
+    def stores_window_queries(self) -> bool:
+        """Whether the steps record each query-row holder's window queries: only for a policy that reads them, so
+        the others' query rows cost no memory (a row still commits its holder's pages: ``core.query_rows``)."""
+        return self.compression and self.scoring.reads_window_queries
+
     def context_length(self, model_context: int) -> int:
         """``max_model_len``, or the model's context (``model_context``) where unset; longer than it is a
         ``ValueError``."""
@@ -267,7 +279,8 @@ DESCRIPTIONS = {
     "similarity_threshold": "cosine similarity above which keys count as duplicates",
     "redundancy_temperature": "softmax temperature of the redundancy penalty",
     "num_query_rows": "`C`, requests that may hold window queries (compress); None = sized from memory so every "
-                       "holder fits `M+1` pages",
+                       "holder fits `M+1` pages (the `window` and `triattention` policies record no queries: a row "
+                       "then costs no memory)",
     "admission": "`reserved`: requests without a query row run until the window of their first compression, "
                  "then stall until a query row frees, admitted only while the pages they can hold before it fit; "
                  "`hybrid`: the same, admitted greedily (may thrash by recompute preemption); `constrained`: only "

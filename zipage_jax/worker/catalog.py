@@ -93,7 +93,7 @@ class ProgramCatalog:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
         self.hidden_shape = (config.max_num_batched_tokens, model_cfg.hidden_size)
         self._step = jax.jit(functools.partial(steps.step, model_cfg=model_cfg, backend=backend,
-                                               store_queries=config.compression,
+                                               store_queries=config.stores_window_queries,
                                                hidden_rows=config.max_num_batched_tokens,
                                                hidden_sharding=self.replicated),
                              static_argnames=("spec",), donate_argnames=("state",))
@@ -102,10 +102,9 @@ class ProgramCatalog:
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh,
                                                    max_pages=plan.max_compression_pages),
                                  static_argnames=("spec",), donate_argnames=("state",))
-        history = config.tracks_history
-        self._swap_gather = jax.jit(functools.partial(steps.swap_gather, history=history))
-        self._swap_scatter = jax.jit(functools.partial(steps.swap_scatter, history=history),
-                                     donate_argnames=("state",))
+        swapped = dict(history=config.tracks_history, queries=config.stores_window_queries)
+        self._swap_gather = jax.jit(functools.partial(steps.swap_gather, **swapped))
+        self._swap_scatter = jax.jit(functools.partial(steps.swap_scatter, **swapped), donate_argnames=("state",))
         self.bitmask_sizes = bucket_sizes(min(16, config.max_num_seqs), config.max_num_seqs, factor=4)
         self._set_token_bitmask = jax.jit(steps.set_token_bitmask, donate_argnames=("state",))
         self._pending: list[WarmupBucket] | None = None  # while a ready-early warm-up compiles (``limits``)
@@ -149,7 +148,8 @@ class ProgramCatalog:
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
         gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (state,) + index,
                          options=steps.COMPILER_OPTIONS)
-        shapes = steps.swapped_shapes(state, size, self.config.tracks_history) if contents is None else \
+        shapes = steps.swapped_shapes(state, size, self.config.tracks_history, self.config.stores_window_queries) \
+            if contents is None else \
             tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in contents)
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, (state,) + index + shapes,
                           options=steps.COMPILER_OPTIONS)

@@ -194,8 +194,8 @@ def padded_pages(pages, size: int) -> np.ndarray:
 
 
 def padded_swap(contents: tuple, size: int) -> tuple:
-    """Swapped-out ``(k, v, scores, queries)`` host arrays padded along the page axis to ``size`` pages (scores are
-    a scalar placeholder without a score history)."""
+    """Swapped-out ``(k, v, scores, queries)`` host arrays padded along the page axis to ``size`` pages (scores and
+    queries are scalar placeholders where the engine keeps no score history or window queries)."""
     k, v, scores, queries = contents
 
     def pad(a):

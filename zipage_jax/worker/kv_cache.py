@@ -113,7 +113,7 @@ def plan_memory(config, model_cfg, dtype, max_model_len: int,
     pages_per_seq = -(-max_model_len // S)
     kv_dtype = pool_dtype(config, dtype)  # FP8 pages: one byte a value (their static scales: a few bytes a layer)
     per_page = page_bytes(model_cfg, S, kv_dtype, config.tracks_history) // shards
-    row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.compression else 0
+    row_bytes = query_row_bytes(model_cfg, config, dtype) // shards if config.stores_window_queries else 0
     max_comp = 0
     if config.compression:
         max_comp = config.max_compression_pages or max(pages_per_seq, min(config.max_num_seqs, COMPRESSION_ROWS) * (M + 1))
@@ -226,9 +226,10 @@ def allocate_pool(model_cfg, num_pages: int, page_size: int, dtype, pool_shardin
 
 def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows: int, dtype, mesh):
     """Query cache ``[L, C+1, W, Hq, D]`` (row C is the sink of requests without a query row) and score cache
-    ``[L, num_pages, Hkv, S]`` f32 (``config.tracks_history``); tiny stand-ins when unused."""
+    ``[L, num_pages, Hkv, S]`` f32 (``config.stores_window_queries``, ``config.tracks_history``); tiny stand-ins
+    when unused."""
     layers = model_cfg.num_layers
-    if config.compression:
+    if config.stores_window_queries:
         q_shape = (layers, num_query_rows + 1, config.scoring.window, model_cfg.num_heads, model_cfg.head_dim)
     else:
         q_shape = (1, 1, 1, 1, 1)
@@ -236,7 +237,7 @@ def allocate_compression_state(model_cfg, config, num_pages: int, num_query_rows
         s_shape = (layers, num_pages, model_cfg.num_kv_heads, config.page_size)
     else:
         s_shape = (1, 1, 1, 1)
-    q_sharding = parallel.query_head_sharding(mesh) if config.compression else parallel.replicated(mesh)
+    q_sharding = parallel.query_head_sharding(mesh) if config.stores_window_queries else parallel.replicated(mesh)
     s_sharding = parallel.kv_head_sharding(mesh) if config.tracks_history else parallel.replicated(mesh)
     make = jax.jit(lambda fill: (jnp.full(q_shape, fill, dtype), jnp.full(s_shape, fill, jnp.float32)),
                    out_shardings=(q_sharding, s_sharding))  # a runtime fill: see allocate_pool

@@ -104,25 +104,28 @@ def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, m
     return state.replace(k_pool=k_pool, v_pool=v_pool, score_cache=score_cache)
 
 
-def swap_gather(state: DeviceState, pages, query_row, *, history):
-    """A compressed request's pages (K, V and, with a score history, scores) and its window queries."""
+def swap_gather(state: DeviceState, pages, query_row, *, history, queries):
+    """A compressed request's pages (K, V and, with a score history, scores) and, where the steps record them
+    (``queries``), its window queries."""
     scores = state.score_cache[:, pages] if history else jnp.zeros((), jnp.float32)
-    return state.k_pool[:, pages], state.v_pool[:, pages], scores, state.query_cache[:, query_row]
+    window = state.query_cache[:, query_row] if queries else jnp.zeros((), state.query_cache.dtype)
+    return state.k_pool[:, pages], state.v_pool[:, pages], scores, window
 
 
-def swapped_shapes(state: DeviceState, size: int, history: bool) -> tuple:
+def swapped_shapes(state: DeviceState, size: int, history: bool, queries: bool) -> tuple:
     """What ``swap_gather`` returns for ``size`` pages, without tracing it (a warm start traces nothing)."""
     def pages(x):
         return jax.ShapeDtypeStruct(x.shape[:1] + (size,) + x.shape[2:], x.dtype)
 
     scores = pages(state.score_cache) if history else jax.ShapeDtypeStruct((), jnp.float32)
-    queries = state.query_cache
-    return (pages(state.k_pool), pages(state.v_pool), scores,
-            jax.ShapeDtypeStruct(queries.shape[:1] + queries.shape[2:], queries.dtype))
+    cache = state.query_cache
+    window = jax.ShapeDtypeStruct(cache.shape[:1] + cache.shape[2:] if queries else (), cache.dtype)
+    return pages(state.k_pool), pages(state.v_pool), scores, window
 
 
-def swap_scatter(state: DeviceState, pages, query_row, k, v, scores, queries, *, history):
+def swap_scatter(state: DeviceState, pages, query_row, k, v, scores, window, *, history, queries):
     """``swap_gather``'s inverse: the contents written into the request's new pages and query row."""
     score_cache = state.score_cache.at[:, pages].set(scores) if history else state.score_cache
+    query_cache = state.query_cache.at[:, query_row].set(window) if queries else state.query_cache
     return state.replace(k_pool=state.k_pool.at[:, pages].set(k), v_pool=state.v_pool.at[:, pages].set(v),
-                         score_cache=score_cache, query_cache=state.query_cache.at[:, query_row].set(queries))
+                         score_cache=score_cache, query_cache=query_cache)
