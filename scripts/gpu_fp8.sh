@@ -22,7 +22,9 @@
 # compressed capacity (5/6 x SEQS, 25/32 x FP8_SEQS: 160 / 300 on an 80 GB card; C_SEQS / C_FP8_SEQS), since a
 # compressed window opens only once every aged request is through its prompt, and the prefill of the aged loop is
 # most of the run: on an H100 on 2026-12-07, loops of 192 / 384 left bf16 no window at 200 s and FP8 a 10 s one at
-# 345 s (each budget less start-up, ~45 / 67 s, and the 40 s kept for the capacity probe).
+# 345 s (each budget less start-up, ~45 / 67 s, and the 40 s kept for the capacity probe); loops of 160 / 300 left
+# bf16 none at 230 s and FP8 1.7 s at 310 s. Since then compressed mode's aged requests prefill only the latest
+# M + 1 pages of their trace (what its steady state holds): ~2.4k prompt tokens each instead of ~9.4k.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/card.txt"

@@ -304,6 +304,7 @@ def test_aged_start_window_starts_when_the_initial_prefill_is_over(programs):
         assert (history[-1]["wide_compression_seconds"] > 0) == bool(wide)
         # as many aged requests as the mode holds at once; the others of the aged start run fresh (full length)
         assert 1 <= r["aged_residents"] <= 3 and (r["aged_residents"] == 3 or r["mode"] == "full")
+        assert r["aged_history_tokens"] == (3 * 16 if r["mode"] == "compressed" else None)  # M = 2 pages of 16
         assert r["complete"] and r["generated_tokens"] == r["workload_output_tokens"]
         # the yardstick: the engine's own decode step at the window's mean shape, after the window
         cap = w["decode_capacity"]
@@ -330,6 +331,17 @@ def test_an_aged_start_keeps_as_many_aged_requests_as_a_mode_holds():
     assert aged.with_residents(6) is aged and base.with_residents(1) is base
     for (prompt, out), p, o in zip(aged.fresh, aged.prompts, aged.max_tokens):  # ageing keeps each length
         assert len(prompt) + out == len(p) + o and p[:len(prompt)] == prompt
+    # compressed mode's residents keep their prompt and only their latest generated tokens, their outputs whole
+    capped = aged.with_residents(4, history_tokens=20)
+    for i, ((prompt, _), p) in enumerate(zip(aged.fresh, aged.prompts)):
+        if i >= 4:
+            assert (capped.prompts[i], capped.max_tokens[i]) == aged.fresh[i]
+            continue
+        history = p[len(prompt):]
+        assert capped.prompts[i] == prompt + history[-20:] and capped.max_tokens[i] == aged.max_tokens[i]
+    assert any(len(p) - len(f) > 20 for (f, _), p in zip(aged.fresh[:4], aged.prompts))  # the cap cut something
+    assert capped.prompts[6:] == aged.prompts[6:] and "latest 20 generated tokens" in capped.description
+    assert aged.with_residents(6, history_tokens=10 ** 6).prompts == aged.prompts
 
     def engine(compression, num_pages, max_num_seqs=64):
         plan = SimpleNamespace(num_pages=num_pages, max_compressed_concurrency=5)

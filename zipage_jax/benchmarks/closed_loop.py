@@ -83,7 +83,8 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     concurrent request or, if less, a pool's worth of tokens (full KV: its pool has filled once; compressed: every
     resident request is past its first compression), and ends where the loop stopped adding. ``aged``: the
     workload starts mid-trace (``aged_start``), with as many aged requests as this engine holds at once
-    (``resident_capacity``; the others fresh); the window then starts when their prefill is over
+    (``resident_capacity``; the others fresh; compressed mode's with only their latest ``M + 1`` pages of trace,
+    what its steady state holds: ``Workload.with_residents``); the window then starts when their prefill is over
     (``prefill_over_s``). ``capacity_steps``: then measure the decode step at the window's mean rows and context
     (``decode_capacity``), that many steps, within the deadline."""
     import jax
@@ -108,10 +109,12 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
     scheduler, bm = engine.scheduler, engine.page_manager
     pages = bm.num_pages - 1
     skip_tokens = min((concurrency or 0) * budget_tokens, pages * engine.config.page_size)
-    residents = None
+    residents = history_tokens = None
     if aged:
         residents = resident_capacity(engine, workload)
-        workload = workload.with_residents(residents)
+        if engine.config.compression:  # its steady state holds only the latest M + 1 pages of a trace
+            history_tokens = (engine.config.kv_budget_pages + 1) * engine.config.page_size
+        workload = workload.with_residents(residents, history_tokens)
 
     requests = []
     queue = list(zip(workload.prompts, workload.max_tokens))[::-1]
@@ -243,6 +246,7 @@ def run_mode(mode: str, make_engine, workload: Workload, duration: float | None,
         requests_added=len(requests), requests_finished=finished, concurrency=concurrency,
         workload_output_tokens=int(sum(workload.max_tokens)),
         steady_skip_tokens=skip_tokens if concurrency else None, aged_start=aged, aged_residents=residents,
+        aged_history_tokens=history_tokens,
         prefilled_s=prefilled_s,
         closed_loop_end_s=loop_end_s if concurrency else None, steady=steady or None,
         steady_tokens_per_s=steady["tokens_per_s"] if steady else None,

@@ -37,8 +37,9 @@ filled once), and ends when the loop stops adding (the workload ran out: the tai
 out) or generation stops. Full KV is still filling toward its own steady state then (its requests' contexts keep
 growing for as long as they live): the window flatters it. ``--aged-start`` enters the loop at its steady state
 instead (``aged_start``: as many requests as the mode's engine holds at once caught mid-trace, their generated part
-prefilled, the rest of the loop fresh, so no aged request waits to bring its long context into the window) and
-starts the window when that prefill is over. ``--time-budget`` fits one command, start-ups included,
+prefilled, the rest of the loop fresh, so no aged request waits to bring its long context into the window;
+compressed mode prefills only the latest M + 1 pages of each trace, all its steady state holds) and starts the
+window when that prefill is over. ``--time-budget`` fits one command, start-ups included,
 into a device limit: each mode gets an equal share of the seconds left when it starts. ``--small
 --workload long-reasoning`` runs it scaled down on CPU (page 16, M=2, 6 requests, concurrency 3).
 

@@ -20,17 +20,25 @@ class Workload:
     # an aged start's first requests as they were before ageing: (prompt, max_tokens) each (``with_residents``)
     fresh: list | None = None
 
-    def with_residents(self, residents: int) -> "Workload":
+    def with_residents(self, residents: int, history_tokens: int | None = None) -> "Workload":
         """An aged start with only its first ``residents`` requests mid-trace, the other aged ones fresh again: the
         aged requests are those a mode's engine holds at once, so none waits to bring its long context into the
-        steady window (a request that waits in a loop at its steady state has not started)."""
-        if self.fresh is None or residents >= len(self.fresh):
+        steady window (a request that waits in a loop at its steady state has not started). ``history_tokens``:
+        the aged requests keep only that many of their latest generated tokens in their prompt (compressed mode,
+        whose steady state holds only its latest ``M + 1`` pages: prefilling the rest of the trace only to evict
+        it is work the steady state never does); their outputs keep their remaining length."""
+        if self.fresh is None or (residents >= len(self.fresh) and history_tokens is None):
             return self
         prompts, outputs = list(self.prompts), list(self.max_tokens)
-        for i in range(residents, len(self.fresh)):
+        for i in range(min(residents, len(self.fresh)), len(self.fresh)):
             prompts[i], outputs[i] = self.fresh[i]
-        return dataclasses.replace(self, prompts=prompts, max_tokens=outputs, fresh=None,
-                                   description=f"{self.description}; {residents} of them resident")
+        description = f"{self.description}; {min(residents, len(self.fresh))} of them resident"
+        if history_tokens is not None:
+            for i in range(min(residents, len(self.fresh))):
+                start = len(self.fresh[i][0])
+                prompts[i] = prompts[i][:start] + prompts[i][max(start, len(prompts[i]) - history_tokens):]
+            description += f", each with its latest {history_tokens} generated tokens"
+        return dataclasses.replace(self, prompts=prompts, max_tokens=outputs, fresh=None, description=description)
 
     def summary(self) -> dict:
         prompt = [len(p) for p in self.prompts]
