@@ -45,6 +45,18 @@ def four_kv_heads(tmp_path_factory):
     return str(path)
 
 
+def test_a_policy_without_window_queries_compresses_per_shard(four_kv_heads):
+    """Recent-window eviction keeps no query cache (a replicated stand-in): two shards still compress their own
+    heads and give one device's greedy tokens."""
+    prompts, greedy = random_prompts(FOUR_KV.vocab_size), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for shards in (1, 2):
+        llm = LLM(four_kv_heads, tensor_parallel_size=shards, compression=True, eviction_policy="window", **OPTIONS)
+        runs[shards] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert llm.engine.worker.state.query_cache.size == 1 and llm.engine.meter.totals["compressions"] > 0
+    assert runs[2] == runs[1]
+
+
 @pytest.mark.parametrize("compression", [False, True])
 def test_two_and_four_way_tensor_parallel_match_single_device_with_only_the_expected_collectives(four_kv_heads,
                                                                                               compression):

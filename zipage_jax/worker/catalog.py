@@ -148,9 +148,10 @@ class ProgramCatalog:
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
         gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (state,) + index,
                          options=steps.COMPILER_OPTIONS)
-        shapes = steps.swapped_shapes(state, size, self.config.tracks_history, self.config.stores_window_queries) \
-            if contents is None else \
-            tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in contents)
+        if contents is None:
+            shapes = steps.swapped_shapes(state, size, self.config.tracks_history, self.config.stores_window_queries)
+        else:
+            shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in contents)
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, (state,) + index + shapes,
                           options=steps.COMPILER_OPTIONS)
         return gather, scatter

@@ -95,7 +95,8 @@ def compress_step(state: DeviceState, packed, *, spec, cfg, sm_scale, backend, m
     scales = fp8_scales(state)
     if mesh.size > 1:
         heads, scores = parallel.KV_HEADS, parallel.KV_HEADS if cfg.tracks_history else P()  # as allocated
-        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, parallel.QUERY_HEADS, P(),
+        queries = parallel.QUERY_HEADS if cfg.reads_window_queries else P()
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, scores, queries, P(),
                                                       centre_specs(state.query_centres),
                                                       None if scales is None else heads),
                             out_specs=(heads, heads, scores), check_vma=False)
