@@ -20,8 +20,8 @@ OPTIONS = dict(page_size=16, max_num_seqs=4, max_model_len=128, max_num_batched_
                compilation_cache_dir=None, kv_budget_pages=2)
 
 
-def greedy_run(model, prompts, tensor_parallel_size, compression):
-    llm = LLM(model, tensor_parallel_size=tensor_parallel_size, compression=compression, **OPTIONS)
+def greedy_run(model, prompts, tensor_parallel_size, compression, **options):
+    llm = LLM(model, tensor_parallel_size=tensor_parallel_size, compression=compression, **OPTIONS, **options)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     return llm.engine, [o.outputs[0].token_ids for o in outputs]
 
@@ -48,12 +48,10 @@ def four_kv_heads(tmp_path_factory):
 def test_a_policy_without_window_queries_compresses_per_shard(four_kv_heads):
     """Recent-window eviction keeps no query cache (a replicated stand-in): two shards still compress their own
     heads and give one device's greedy tokens."""
-    prompts, greedy = random_prompts(FOUR_KV.vocab_size), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    runs = {}
+    prompts, runs = random_prompts(FOUR_KV.vocab_size), {}
     for shards in (1, 2):
-        llm = LLM(four_kv_heads, tensor_parallel_size=shards, compression=True, eviction_policy="window", **OPTIONS)
-        runs[shards] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert llm.engine.worker.state.query_cache.size == 1 and llm.engine.meter.totals["compressions"] > 0
+        engine, runs[shards] = greedy_run(four_kv_heads, prompts, shards, True, eviction_policy="window")
+        assert engine.worker.state.query_cache.size == 1 and engine.meter.totals["compressions"] > 0
     assert runs[2] == runs[1]
 
 

@@ -30,11 +30,12 @@ class Workload:
         if self.fresh is None or (residents >= len(self.fresh) and history_tokens is None):
             return self
         prompts, outputs = list(self.prompts), list(self.max_tokens)
-        for i in range(min(residents, len(self.fresh)), len(self.fresh)):
+        residents = min(residents, len(self.fresh))
+        for i in range(residents, len(self.fresh)):
             prompts[i], outputs[i] = self.fresh[i]
-        description = f"{self.description}; {min(residents, len(self.fresh))} of them resident"
+        description = f"{self.description}; {residents} of them resident"
         if history_tokens is not None:
-            for i in range(min(residents, len(self.fresh))):
+            for i in range(residents):
                 start = len(self.fresh[i][0])
                 prompts[i] = prompts[i][:start] + prompts[i][max(start, len(prompts[i]) - history_tokens):]
             description += f", each with its latest {history_tokens} generated tokens"

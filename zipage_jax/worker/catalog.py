@@ -102,9 +102,10 @@ class ProgramCatalog:
                                                    sm_scale=model_cfg.head_dim ** -0.5, backend=backend, mesh=mesh,
                                                    max_pages=plan.max_compression_pages),
                                  static_argnames=("spec",), donate_argnames=("state",))
-        swapped = dict(history=config.tracks_history, queries=config.stores_window_queries)
-        self._swap_gather = jax.jit(functools.partial(steps.swap_gather, **swapped))
-        self._swap_scatter = jax.jit(functools.partial(steps.swap_scatter, **swapped), donate_argnames=("state",))
+        self._swapped = dict(history=config.tracks_history, queries=config.stores_window_queries)  # what a swap moves
+        self._swap_gather = jax.jit(functools.partial(steps.swap_gather, **self._swapped))
+        self._swap_scatter = jax.jit(functools.partial(steps.swap_scatter, **self._swapped),
+                                     donate_argnames=("state",))
         self.bitmask_sizes = bucket_sizes(min(16, config.max_num_seqs), config.max_num_seqs, factor=4)
         self._set_token_bitmask = jax.jit(steps.set_token_bitmask, donate_argnames=("state",))
         self._pending: list[WarmupBucket] | None = None  # while a ready-early warm-up compiles (``limits``)
@@ -149,7 +150,7 @@ class ProgramCatalog:
         gather = Program(("swap_out", size), f"swap out {size} pages", self._swap_gather, (state,) + index,
                          options=steps.COMPILER_OPTIONS)
         if contents is None:
-            shapes = steps.swapped_shapes(state, size, self.config.tracks_history, self.config.stores_window_queries)
+            shapes = steps.swapped_shapes(state, size, **self._swapped)
         else:
             shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in contents)
         scatter = Program(("swap_in", size), f"swap in {size} pages", self._swap_scatter, (state,) + index + shapes,
