@@ -59,7 +59,14 @@ def free_port() -> int:
 def serve(*args, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "zipage_jax.serve", *args]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, preexec_fn=terminal_sigint)
+
+
+def terminal_sigint():
+    """The server starts with Ctrl-C's default action, as from a terminal: a test run started in the background
+    by a non-interactive shell ignores SIGINT, and its children would inherit that (Python keeps an inherited
+    SIG_IGN, so a Ctrl-C before uvicorn's handlers would be lost)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_compiling(proc: subprocess.Popen, url: str, marker: Path):
