@@ -57,16 +57,19 @@ def free_port() -> int:
 
 
 def serve(*args, env: dict | None = None) -> subprocess.Popen:
+    """The server as a process, with Ctrl-C's default action as from a terminal: a test run started in the background
+    by a non-interactive shell ignores SIGINT, which its children inherit (Python keeps an inherited SIG_IGN, so a
+    Ctrl-C before uvicorn's handlers would be lost); exec resets a handled signal to its default."""
     command = [sys.executable, "-m", "zipage_jax.serve", *args]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=terminal_sigint)
-
-
-def terminal_sigint():
-    """The server starts with Ctrl-C's default action, as from a terminal: a test run started in the background
-    by a non-interactive shell ignores SIGINT, and its children would inherit that (Python keeps an inherited
-    SIG_IGN, so a Ctrl-C before uvicorn's handlers would be lost)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def wait_compiling(proc: subprocess.Popen, url: str, marker: Path):
