@@ -5,6 +5,8 @@ are 400s, what it truncated comes back, hostile prompts stall no stream, and a l
 flight and turns /health to 503."""
 
 
+import contextlib
+import importlib
 import itertools
 import json
 import pickle
@@ -12,6 +14,7 @@ import signal
 import statistics
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import httpx
 import openai
@@ -20,10 +23,11 @@ import pytest
 from live_server import live_server, stream_all_cancelling_odd
 from seeds import seeded_rng
 from waiting import HANG_S, wait_until
+from zipage_jax.engine import core_client
 from zipage_jax.engine.core_client import ProcessCore
 from zipage_jax.engine.engine_core import Reported, output_delta
-from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Failed, Metrics, NewRequest, OutputDelta,
-                                        Refused, Stop)
+from zipage_jax.engine.messages import (Abort, Accepted, Added, AddRequests, Built, Failed, Metrics, NewRequest,
+                                        OutputDelta, Refused, Stop)
 from zipage_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from zipage_jax.engine.request_group import ChoiceOutput
 from zipage_jax.engine.tokenizer_store import ServingTokenizer, load_engine_tokenizer
@@ -104,11 +108,48 @@ def live(tmp_path_factory):
     stored pipeline and renders chat templates with transformers' tokenizer (``ServingTokenizer``)."""
     cache = str(tmp_path_factory.mktemp("cache"))
     load_engine_tokenizer(TINY_MODEL, cache)
-    core = ProcessCore.launch(TINY_MODEL, {**OPTIONS, "compilation_cache_dir": cache}, warmup=False,
-                              log_level="WARNING")
+    with watched_transformers_import() as tokenizer_loads:
+        core = ProcessCore.launch(TINY_MODEL, {**OPTIONS, "compilation_cache_dir": cache}, warmup=False,
+                                  log_level="WARNING")
     with live_server(core, max_queued_requests=16) as server:
-        server.core = core
+        server.core, server.tokenizer_loads = core, tokenizer_loads
         yield server
+
+
+@contextlib.contextmanager
+def watched_transformers_import():
+    """While the engine process starts, the import of transformers that ``launch`` begins on a thread lasts until
+    the engine is built (as when a warm start builds it within the import's second); yields, for each tokenizer
+    load, whether that import was over by then (a `from transformers import ...` that meets it half done raises)."""
+    built, imported, tokenizer_loads = threading.Event(), threading.Event(), []
+    real_import, real_recv, real_load = importlib.import_module, Connection.recv, core_client.load_serving_tokenizer
+
+    def held_import(name, *args):
+        if name == "transformers":
+            built.wait(HANG_S)
+        module = real_import(name, *args)
+        imported.set()
+        return module
+
+    def recv(self):
+        message = real_recv(self)
+        if isinstance(message, Built):
+            built.set()
+        return message
+
+    def load(*args):
+        tokenizer_loads.append(imported.is_set())
+        return real_load(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib, "import_module", held_import)
+        patch.setattr(Connection, "recv", recv)
+        patch.setattr(core_client, "load_serving_tokenizer", load)
+        yield tokenizer_loads
+
+
+def test_the_tokenizer_loads_once_the_transformers_import_begun_by_the_launch_is_over(live):
+    assert live.tokenizer_loads == [True]
 
 
 def model_of(live) -> str:

@@ -82,8 +82,10 @@ class ProcessCore:
                                         ready_early))
         with _sigint_blocked():  # the child inherits the block from its first instruction: Ctrl-C is the server's
             process.start()
-        # transformers' import (a second of a warm start) overlaps the engine's build: the tokenizer loads after it
-        threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
+        # transformers' import (a second of a warm start) overlaps the engine's build; the tokenizer loads once it is
+        # over (a `from transformers import ...` that meets the import half done raises ImportError)
+        importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
+        importing.start()
         commands_read.close()
         events_write.close()
         try:
@@ -93,6 +95,7 @@ class ProcessCore:
             raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
         match message:
             case Built(info):
+                importing.join()
                 return cls(process, commands_write, events_read, info)
             case LaunchError(text, bad_input):
                 process.join(5)
