@@ -125,8 +125,9 @@ def watched_transformers_import():
     real_import, real_recv, real_load = importlib.import_module, Connection.recv, core_client.load_serving_tokenizer
 
     def held_import(name, *args):
-        if name == "transformers":
-            built.wait(HANG_S)
+        if name != "transformers":
+            return real_import(name, *args)
+        built.wait(HANG_S)
         module = real_import(name, *args)
         imported.set()
         return module
